@@ -1,0 +1,1 @@
+"""The kopf operator: MLLMDeployment -> Kubernetes objects; planner and autoscaler."""

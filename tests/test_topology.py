@@ -1,0 +1,32 @@
+import pytest
+
+from triptych.topology import InstanceType, Stage, TopologyError, format_topology, parse_topology
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("EPD", {InstanceType.EPD: 1}),
+        ("1E1P1D", {InstanceType.E: 1, InstanceType.P: 1, InstanceType.D: 1}),
+        ("2E1P2D", {InstanceType.E: 2, InstanceType.P: 1, InstanceType.D: 2}),
+        ("1EP1D", {InstanceType.EP: 1, InstanceType.D: 1}),
+        ("ED1P", {InstanceType.ED: 1, InstanceType.P: 1}),
+        ("1E1PD", {InstanceType.E: 1, InstanceType.PD: 1}),
+        ("1e1ep1p1d", {InstanceType.E: 1, InstanceType.EP: 1, InstanceType.P: 1, InstanceType.D: 1}),
+    ],
+)
+def test_parse_topology(spec, expected):
+    assert parse_topology(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["", "X", "1E1P", "2Q", "E P D"])
+def test_bad_topology(spec):
+    with pytest.raises(TopologyError):
+        parse_topology(spec)
+
+
+def test_roundtrip_and_stages():
+    counts = parse_topology("2E1P2D")
+    assert parse_topology(format_topology(counts)) == counts
+    assert InstanceType.EP.stages == {Stage.ENCODE, Stage.PREFILL}
+    assert not InstanceType.D.needs_vision and InstanceType.ED.needs_language

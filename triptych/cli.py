@@ -1,0 +1,144 @@
+"""The `triptych` command line. Each subcommand's work lives in the module that owns it;
+this file only declares arguments and imports the owner lazily (so `triptych operator`
+never imports torch, and `--help` is instant)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+from triptych.topology import ROLE_CHOICES
+
+FAMILIES = ("qwen2-vl", "qwen2.5-vl", "llava")
+
+
+def _lazy(target: str) -> Callable[[argparse.Namespace], int | None]:
+    module_name, func_name = target.split(":")
+
+    def run(args: argparse.Namespace) -> int | None:
+        return getattr(importlib.import_module(module_name), func_name)(args)
+
+    return run
+
+
+def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-tiny-model", help="write a random-weight checkpoint (offline)")
+    p.add_argument("--family", choices=FAMILIES, required=True)
+    p.add_argument("--out", required=True, help="output checkpoint directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", choices=("tiny", "small"), default="tiny",
+                   help="tiny: tests (~1M params); small: benchmarks (a few tens of M params)")
+    p.set_defaults(func=_lazy("triptych.tiny_model:cli_main"))
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="run one request through the engine and print the completion")
+    p.add_argument("--model", required=True, help="checkpoint directory, or 'tiny'")
+    p.add_argument("--image", action="append", default=[], help="image path (repeatable)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=_lazy("triptych.worker.generate:cli_main"))
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks that print figures")
+    bsub = p.add_subparsers(dest="bench_command", required=True)
+    e = bsub.add_parser("engine", help="our engine vs transformers generate() on CPU")
+    e.add_argument("--model", default=None, help="checkpoint dir (default: build the small Qwen2-VL)")
+    e.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    e.add_argument("--output-len", type=int, default=32)
+    e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_lazy("triptych.worker.bench:cli_main"))
+    s = bsub.add_parser("serve", help="Poisson load against a running router")
+    s.add_argument("--url", required=True)
+    s.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    s.add_argument("--num-requests", type=int, default=32)
+    s.add_argument("--images-per-request", type=int, default=1)
+    s.add_argument("--image-size", type=int, nargs=2, default=[64, 64])
+    s.add_argument("--prompt-len", type=int, default=32)
+    s.add_argument("--output-len", type=int, default=16)
+    s.add_argument("--ttft-slo", type=float, default=2.0)
+    s.add_argument("--tbt-slo", type=float, default=0.2)
+    s.add_argument("--plot", default=None, help="write attainment-vs-rate PNG here")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_lazy("triptych.router.bench:cli_main"))
+
+
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="run one engine instance (FastAPI)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--role", choices=ROLE_CHOICES, default="unassigned")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--instance-id", default=None)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--num-mm-blocks", type=int, default=None)
+    p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
+    p.add_argument("--lease-seconds", type=float, default=30.0)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=_lazy("triptych.worker.server:cli_main"))
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run the OpenAI-compatible router")
+    p.add_argument("--model", required=True, help="checkpoint directory (tokenizer, processor)")
+    p.add_argument("--workers", nargs="*", default=[], help="worker URLs (static discovery)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", action="append", default=[])
+    p.add_argument("--api-key-file", default=None)
+    p.add_argument("--allow-http-images", action="store_true")
+    p.add_argument("--image-host-allowlist", nargs="*", default=[])
+    p.set_defaults(func=_lazy("triptych.router.main:cli_main"))
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run router and instances as local processes")
+    p.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    p.add_argument("--topology", default="EPD")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
+    p.set_defaults(func=_lazy("triptych.local:cli_main"))
+
+
+def _add_operator(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("operator", help="run the kopf operator")
+    p.add_argument("--namespace", action="append", default=[], help="restrict to namespace(s)")
+    p.add_argument("--standalone", action="store_true", help="no peering")
+    p.set_defaults(func=_lazy("triptych.operator.main:cli_main"))
+    c = sub.add_parser("crd", help="print (or write) the MLLMDeployment CRD YAML")
+    c.add_argument("--out", default=None)
+    c.set_defaults(func=_lazy("triptych.operator.crd:cli_main"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="triptych", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_make_tiny_model, _add_generate, _add_bench, _add_worker, _add_router,
+                _add_serve, _add_operator):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The inference engine and the worker server: one process is one instance."""
