@@ -1,0 +1,71 @@
+"""The seam between the HTTP layer and whatever moves a request through E -> P -> D.
+
+The HTTP layer (api.py) validates and tokenizes a request, then hands a
+`GenerationRequest` to a `Backend` and relays the `TokenEvent`s it yields. The
+orchestrator implements `Backend`; tests implement it with scripted tokens.
+
+Cancellation contract: when the client goes away (or the router has seen a stop string),
+the HTTP layer stops consuming and either cancels the task awaiting the iterator's
+`__anext__` (CancelledError inside the generator) or calls `aclose()` on it
+(GeneratorExit). Either way the generator's `finally` runs; that is where a backend
+aborts the request on every stage and frees its blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from triptych.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from triptych.processor import MMItem
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_items: list[MMItem]  # placeholder runs in prompt_token_ids, in image order
+    images: list[bytes]  # original encoded bytes, one per mm item (E instances decode them)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    model: str = ""  # the served model name the client asked for
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of the one sequence. `finish_reason` is set on the last event only;
+    'stop' = EOS, a stop token id or a stop string; 'length' = max_tokens reached."""
+
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+
+
+class BackendError(Exception):
+    """A failure the client should see with this HTTP status (429/500/503/504...).
+    `retry_after` (seconds) becomes a Retry-After header on 429/503."""
+
+    def __init__(self, status_code: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.retry_after = retry_after
+
+
+@runtime_checkable
+class Backend(Protocol):
+    def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Yield the request's tokens; raise BackendError on failure. Must start no work
+        before the first `__anext__` (an async generator function satisfies this)."""
+        ...
+
+    async def health(self) -> dict[str, Any]:
+        """{"status": "ok" | "degraded" | "unavailable", "roles": {"E": {"ready": 1, "total": 1}, ...}}"""
+        ...
+
+    def ready(self) -> bool:
+        """True when a request could be served now (every stage has a ready instance)."""
+        ...

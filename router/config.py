@@ -1,0 +1,89 @@
+"""The router's HTTP-layer settings (one pydantic model, filled from the CLI or a test)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MiB = 1 << 20
+
+
+class RouterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: Path  # checkpoint directory: tokenizer, processor, chat template, config.json
+    served_model_name: str | None = None  # default: the checkpoint folder's name
+    max_model_len: int | None = Field(default=None, ge=2)  # default: from config.json
+
+    api_keys: list[str] = []
+    api_key_file: Path | None = None  # one key per line; blank lines and '#' comments skipped
+
+    # Images: data: URLs always; http(s) only when enabled, and then only from these hosts
+    # ("example.com" exactly, or "*.example.com" for its subdomains).
+    allow_http_images: bool = False
+    image_host_allowlist: list[str] = []
+    image_fetch_timeout_s: float = Field(default=10.0, gt=0)
+    max_image_bytes: int = Field(default=20 * MiB, ge=1)
+    max_image_pixels: int = Field(default=1 << 25, ge=1)  # 32 MP; checked before decoding
+    max_images_per_request: int = Field(default=16, ge=0)
+    max_request_bytes: int = Field(default=64 * MiB, ge=1)
+
+    # SLO (HydraInfer §2.3) for the attainment metrics.
+    ttft_slo_s: float = Field(default=2.0, gt=0)
+    tbt_slo_s: float = Field(default=0.2, gt=0)
+    slo_window: int = Field(default=1000, ge=1)  # requests in the attainment gauge's window
+
+    health_timeout_s: float = Field(default=5.0, gt=0)
+    # After a client disconnect, how long the backend's abort may take before we stop waiting.
+    abort_timeout_s: float = Field(default=5.0, gt=0)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.resolve().name
+
+    def resolved_max_model_len(self) -> int:
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return read_max_model_len(self.model)
+
+    def load_api_keys(self) -> frozenset[str]:
+        keys = {k.strip() for k in self.api_keys if k.strip()}
+        if self.api_key_file is not None:
+            for line in self.api_key_file.read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.add(line)
+        return frozenset(keys)
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> RouterConfig:
+        """Build from `triptych router` arguments; attributes the namespace lacks keep defaults."""
+        fields: dict[str, Any] = {
+            "model": args.model,
+            "served_model_name": getattr(args, "served_model_name", None),
+            "api_keys": list(getattr(args, "api_key", None) or []),
+            "api_key_file": getattr(args, "api_key_file", None),
+            "allow_http_images": bool(getattr(args, "allow_http_images", False)),
+            "image_host_allowlist": list(getattr(args, "image_host_allowlist", None) or []),
+        }
+        fields.update(overrides)
+        return cls(**fields)
+
+
+def read_max_model_len(model_dir: Path) -> int:
+    """The language model's context length from a checkpoint's config.json (the text
+    config's max_position_embeddings; multimodal configs nest it under text_config)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from exc
+    for section in (cfg.get("text_config") or {}, cfg):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    raise ValueError(f"{path} has no max_position_embeddings; set max_model_len")

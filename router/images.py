@@ -1,0 +1,176 @@
+"""Image content parts -> encoded image bytes.
+
+`data:` URLs (base64) are always accepted. http(s) URLs are fetched only when the server
+enables it, and then only from allow-listed hosts, with a size cap, a wall-clock timeout
+and redirects followed by hand so every hop is checked against the allow-list again.
+Every other scheme (file://, ftp://, ...) is refused: a URL must never read the router's
+own disk or reach a host the operator did not name.
+
+Bytes are not decoded here; the processor checks the pixel count before decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from urllib.parse import urljoin
+
+import httpx
+from triptych.router.config import RouterConfig
+from triptych.router.errors import InvalidRequestError
+
+MAX_REDIRECTS = 3
+_ACCEPTED_DATA_TYPES = ("", "application/octet-stream")
+_WHITESPACE = re.compile(rb"\s+")
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    url: str
+    param: str  # where the part sits in the request, e.g. "messages[0].content[1].image_url"
+
+
+def _error(ref: ImageRef, message: str, code: str = "invalid_image_url") -> InvalidRequestError:
+    return InvalidRequestError(message, param=ref.param, code=code)
+
+
+def decode_data_url(ref: ImageRef, max_bytes: int) -> bytes:
+    """`data:image/png;base64,....` -> bytes. Only base64 payloads; the size is checked
+    from the encoded length before anything is decoded."""
+    header, sep, payload = ref.url.partition(",")
+    if not sep:
+        raise _error(ref, "malformed data URL: expected 'data:<media type>;base64,<data>'")
+    params = header[len("data:"):].split(";")
+    media_type = params[0].strip().lower()
+    if "base64" not in (p.strip().lower() for p in params[1:]):
+        raise _error(ref, "data URLs must be base64-encoded ('data:image/png;base64,...')")
+    if not (media_type.startswith("image/") or media_type in _ACCEPTED_DATA_TYPES):
+        raise _error(ref, f"data URL media type {media_type!r} is not an image type")
+    raw = _WHITESPACE.sub(b"", payload.encode("ascii", errors="replace"))
+    if len(raw) * 3 // 4 > max_bytes:
+        raise _error(ref, f"image is larger than the {max_bytes} byte limit", code="image_too_large")
+    raw += b"=" * (-len(raw) % 4)  # tolerate missing padding; real corruption still fails
+    try:
+        data = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise _error(ref, f"invalid base64 in image data URL: {exc}", code="invalid_base64") from None
+    if not data:
+        raise _error(ref, "image data URL is empty", code="invalid_image")
+    return data
+
+
+def host_allowed(url: httpx.URL, allowlist: list[str]) -> bool:
+    """'example.com' matches that host on any port, 'example.com:8080' that port only,
+    '*.example.com' any subdomain (not the apex)."""
+    host = (url.host or "").lower().rstrip(".")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    for entry in allowlist:
+        name, want_port = _split_entry(entry.strip().lower())
+        if want_port and want_port != str(port):
+            continue
+        if name.startswith("*."):
+            if host.endswith(name[1:]) and host != name[2:]:
+                return True
+        elif host == name:
+            return True
+    return False
+
+
+def _split_entry(entry: str) -> tuple[str, str]:
+    if entry.startswith("["):  # IPv6 literal: "[::1]" or "[::1]:8080"
+        name, _, rest = entry[1:].partition("]")
+        return name, rest[1:] if rest.startswith(":") else ""
+    name, _, port = entry.partition(":")
+    return name, port
+
+
+class ImageLoader:
+    """Resolves image URLs to bytes under the configured limits. One per app (it owns
+    the HTTP client used for fetching, closed by `aclose`)."""
+
+    def __init__(self, config: RouterConfig, client: httpx.AsyncClient | None = None) -> None:
+        self.config = config
+        self._client = client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def load(self, ref: ImageRef) -> bytes:
+        scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
+        if scheme == "data":
+            return decode_data_url(ref, self.config.max_image_bytes)
+        if scheme in ("http", "https"):
+            return await self._fetch(ref)
+        shown = f"'{scheme}:'" if scheme else "none"
+        raise _error(ref, f"unsupported image URL scheme {shown}: send a base64 data: URL"
+                     + (" or an http(s) URL" if self.config.allow_http_images else ""))
+
+    async def _fetch(self, ref: ImageRef) -> bytes:
+        if not self.config.allow_http_images:
+            raise _error(ref, "fetching images over http(s) is disabled on this server; "
+                              "send the image inline as a base64 data: URL")
+        try:
+            async with asyncio.timeout(self.config.image_fetch_timeout_s):
+                return await self._follow(ref)
+        except TimeoutError:
+            raise _error(ref, f"timed out after {self.config.image_fetch_timeout_s:g}s fetching "
+                              f"{ref.url}", code="image_fetch_failed") from None
+        except httpx.HTTPError as exc:
+            raise _error(ref, f"could not fetch {ref.url}: {type(exc).__name__}",
+                         code="image_fetch_failed") from None
+
+    async def _follow(self, ref: ImageRef) -> bytes:
+        url = ref.url
+        for _ in range(MAX_REDIRECTS + 1):
+            parsed = self._check_url(ref, url)
+            async with self._http().stream("GET", parsed) as resp:
+                if resp.is_redirect:
+                    location = resp.headers.get("location")
+                    if not location:
+                        raise _error(ref, f"{url} redirected without a Location", code="image_fetch_failed")
+                    url = urljoin(str(parsed), location)
+                    continue
+                if resp.status_code != 200:
+                    raise _error(ref, f"fetching {url} returned HTTP {resp.status_code}",
+                                 code="image_fetch_failed")
+                return await self._read_capped(ref, resp)
+        raise _error(ref, f"more than {MAX_REDIRECTS} redirects fetching {ref.url}", code="image_fetch_failed")
+
+    def _check_url(self, ref: ImageRef, url: str) -> httpx.URL:
+        try:
+            parsed = httpx.URL(url)
+        except httpx.InvalidURL as exc:
+            raise _error(ref, f"invalid image URL: {exc}") from None
+        if parsed.scheme not in ("http", "https"):
+            raise _error(ref, f"image URL scheme '{parsed.scheme}:' is not allowed")
+        if not host_allowed(parsed, self.config.image_host_allowlist):
+            raise _error(ref, f"image host '{parsed.host}' is not in this server's allow-list",
+                         code="image_host_not_allowed")
+        return parsed
+
+    async def _read_capped(self, ref: ImageRef, resp: httpx.Response) -> bytes:
+        cap = self.config.max_image_bytes
+        too_big = _error(ref, f"image at {ref.url} is larger than the {cap} byte limit", code="image_too_large")
+        declared = resp.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise too_big
+        buf = bytearray()
+        async for chunk in resp.aiter_bytes():
+            buf += chunk
+            if len(buf) > cap:
+                raise too_big
+        if not buf:
+            raise _error(ref, f"{ref.url} returned an empty body", code="invalid_image")
+        return bytes(buf)
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None:
+            # trust_env=False: proxy variables must not reroute fetches around the allow-list.
+            self._client = httpx.AsyncClient(follow_redirects=False, trust_env=False,
+                                             timeout=self.config.image_fetch_timeout_s)
+        return self._client

@@ -1,0 +1,277 @@
+"""OpenAI-compatible request and response models (the subset Triptych serves).
+
+Unknown fields are refused (extra="forbid") and fields whose values would change the
+result but which we do not implement are refused by `unsupported_fields()`: a client
+must never get a silently different answer than it asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Role = Literal["system", "developer", "user", "assistant"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- content parts -------------------------------------------------------------------
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None  # accepted, ignored (as vLLM)
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _bare_url(cls, value: Any) -> Any:
+        # Some clients send "image_url": "<url>" instead of {"url": "<url>"}.
+        return {"url": value} if isinstance(value, str) else value
+
+
+class VideoPart(BaseModel):
+    """Parsed so the request gets a clear 'not supported yet' instead of a schema error."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["video_url"]
+
+
+ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
+
+
+class ChatMessage(_Strict):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None  # accepted, unused
+
+
+# --- requests --------------------------------------------------------------------------
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage on every chunk
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class _SamplingFields(_Strict):
+    """Fields both endpoints share. Ranges are SamplingParams' (a 400 names the field)."""
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM extra; -1 and 0 both mean off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM extra
+    ignore_eos: bool = False  # vLLM extra
+    min_tokens: int = 0  # vLLM extra; only 0 is supported
+    skip_special_tokens: bool = True  # vLLM extra
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None  # accepted, unused
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM extra
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    use_beam_search: bool = False  # vLLM extra
+
+    def unsupported_fields(self) -> list[tuple[str, str]]:
+        """(field, why) for every field set to a value we do not implement."""
+        out: list[tuple[str, str]] = []
+        if self.n != 1:
+            out.append(("n", "only n=1 is supported"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", "only best_of=1 is supported"))
+        if self.use_beam_search:
+            out.append(("use_beam_search", "beam search is not supported"))
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                out.append((name, f"{name} is not supported (only 0)"))
+        if self.repetition_penalty != 1.0:
+            out.append(("repetition_penalty", "repetition_penalty is not supported (only 1)"))
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported"))
+        if self.min_tokens != 0:
+            out.append(("min_tokens", "min_tokens is not supported (only 0)"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "stream_options is only allowed when stream is true"))
+        return out
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # harmless without tools
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    store: bool | None = None  # accepted, unused
+    metadata: dict[str, str] | None = None  # accepted, unused
+    service_tier: str | None = None  # accepted, unused
+
+    def unsupported_fields(self) -> list[tuple[str, str]]:
+        out = super().unsupported_fields()
+        if self.logprobs or self.top_logprobs:
+            out.append(("logprobs", "logprobs are not supported yet"))
+        if self.tools or self.functions:
+            out.append(("tools" if self.tools else "functions", "tool calling is not supported"))
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            out.append(("tool_choice" if self.tool_choice not in (None, "none") else "function_call",
+                        "tool calling is not supported"))
+        if self.response_format is not None and self.response_format.type != "text":
+            out.append(("response_format", f"response_format {self.response_format.type!r} is not "
+                                           "supported (only 'text')"))
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            out.append(("modalities", "only the 'text' output modality is supported"))
+        for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+            if getattr(self, name) is not None:
+                out.append((name, f"{name} is not supported"))
+        return out
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens replaces the deprecated max_tokens in OpenAI's API.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default for this endpoint
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+
+    def unsupported_fields(self) -> list[tuple[str, str]]:
+        out = super().unsupported_fields()
+        if self.echo:
+            out.append(("echo", "echo is not supported"))
+        if self.suffix:
+            out.append(("suffix", "suffix is not supported"))
+        if self.logprobs is not None:
+            out.append(("logprobs", "logprobs are not supported yet"))
+        return out
+
+
+# --- responses -------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """Streamed as `data: <json>`; `usage` is present only with include_usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "triptych"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
