@@ -1,0 +1,258 @@
+"""Moves each request through its stages across instances and streams tokens back.
+
+For every request: plan the hops (planner.py), run them in order over the workers'
+`/internal/run` NDJSON streams, carry the hand-over handles between them (the control
+messages of HydraInfer §4.3's pull-based migration; the data moves worker-to-worker over
+NIXL), and yield tokens as they arrive. A failure before the first token is retried on
+other instances; after it, the request ends with an error. Every call has a deadline,
+and an abandoned request is aborted on every instance it touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
+from triptych.router.planner import Chooser, Hop, NoInstanceError, plan_path, spread_images, stages_for
+from triptych.router.registry import Instance, Registry
+from triptych.topology import Stage
+from triptych.worker.protocol import (
+    EncodedEvent,
+    ErrorEvent,
+    FinishedEvent,
+    KVSource,
+    MMItemSpec,
+    MMSource,
+    PrefilledEvent,
+    StageRequest,
+    TokensEvent,
+)
+
+log = logging.getLogger("triptych.router.orchestrator")
+
+_EVENT_TYPES = {cls.model_fields["type"].default: cls
+                for cls in (EncodedEvent, TokensEvent, PrefilledEvent, FinishedEvent, ErrorEvent)}
+
+
+class StageFailure(Exception):
+    """A hop failed. `retriable` when nothing reached the client yet and another try may work."""
+
+    def __init__(self, instance: Instance, message: str, status: int = 502) -> None:
+        super().__init__(message)
+        self.instance = instance
+        self.status = status
+
+
+@dataclass
+class OrchestratorConfig:
+    stage_timeout_s: float = 60.0  # longest silence allowed on a stage stream
+    max_attempts: int = 3  # tries of the pre-first-token part of a request
+    parallel_encode: bool = True  # EPDServe §3.2.2 intra-request parallelism
+    abort_timeout_s: float = 2.0
+
+
+@dataclass
+class RequestTrace:
+    """What happened to one request, for metrics and tests."""
+
+    hops: list[tuple[str, list[str]]] = field(default_factory=list)
+    attempts: int = 0
+    migrations: dict[str, float] = field(default_factory=dict)
+
+
+class Orchestrator:
+    def __init__(self, registry: Registry, client: httpx.AsyncClient, chooser: Chooser | None = None,
+                 config: OrchestratorConfig | None = None) -> None:
+        self.registry = registry
+        self.client = client
+        self.chooser = chooser or Chooser()
+        self.config = config or OrchestratorConfig()
+
+    # -- Backend protocol -------------------------------------------------------------
+    def ready(self) -> bool:
+        return bool(self.registry.capable(Stage.PREFILL)) and bool(self.registry.capable(Stage.DECODE))
+
+    async def health(self) -> dict:
+        roles = self.registry.roles_summary()
+        stages = {s.value: len(self.registry.capable(s)) for s in Stage}
+        if not self.ready():
+            status = "unavailable"
+        elif all(v["ready"] == v["total"] for v in roles.values()) and stages["encode"]:
+            status = "ok"
+        else:
+            status = "degraded"
+        return {"status": status, "roles": roles, "stages": stages}
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        touched: set[str] = set()
+        try:
+            async for event in self._generate(req, touched):
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            await self._abort(req.request_id, touched)
+            raise
+        except BackendError:
+            await self._abort(req.request_id, touched)
+            raise
+
+    # -- the request path -------------------------------------------------------------
+    async def _generate(self, req: GenerationRequest, touched: set[str]) -> AsyncIterator[TokenEvent]:
+        excluded: set[str] = set()
+        stages = stages_for(bool(req.mm_items))
+        last_error = "no attempt made"
+        for _attempt in range(self.config.max_attempts):
+            try:
+                hops = plan_path(self.registry, self.chooser, stages, excluded)
+            except NoInstanceError as exc:
+                raise BackendError(503, str(exc), retry_after=1.0) from exc
+            started = False
+            try:
+                async for event in self._run_hops(req, hops, touched, excluded):
+                    started = True
+                    yield event
+                return
+            except StageFailure as failure:
+                self.registry.mark_failed(failure.instance.url)
+                excluded.add(failure.instance.url)
+                last_error = str(failure)
+                if started:
+                    raise BackendError(failure.status, f"request failed after streaming began: {failure}") \
+                        from failure
+                log.warning("request %s: %s; retrying elsewhere", req.request_id, failure)
+        raise BackendError(503, f"request failed on every attempt: {last_error}", retry_after=1.0)
+
+    async def _run_hops(self, req: GenerationRequest, hops: list[Hop], touched: set[str],
+                        excluded: set[str]) -> AsyncIterator[TokenEvent]:
+        mm_items = [MMItemSpec(kind="image", offset=m.offset, length=m.length, content_hash=m.content_hash,
+                               grid_thw=m.grid_thw) for m in req.mm_items]
+        images = {m.content_hash: base64.b64encode(data).decode() for m, data in zip(req.mm_items, req.images,
+                                                                                     strict=True)}
+        mm_sources: list[MMSource] = []
+        if hops[0].stages[0] is Stage.ENCODE:
+            hops, images, mm_sources = await self._encode_spread(req, hops, images, mm_items, touched, excluded)
+        kv_source: KVSource | None = None
+        for hop in hops:
+            sreq = StageRequest(
+                request_id=req.request_id, stages=hop.stages, prompt_token_ids=req.prompt_token_ids,
+                mm_items=mm_items, images=images if Stage.ENCODE in hop.stages else {},
+                mm_sources=mm_sources if Stage.PREFILL in hop.stages else [],
+                kv_source=kv_source, sampling=req.sampling, timeout_s=self.config.stage_timeout_s,
+            )
+            touched.add(hop.instance.url)
+            kv_source = None
+            async for event in self._stream(hop.instance, sreq):
+                if isinstance(event, PrefilledEvent):
+                    kv_source = event.kv
+                    yield TokenEvent(token_ids=[event.kv.first_token])
+                elif isinstance(event, TokensEvent):
+                    yield TokenEvent(token_ids=event.token_ids)
+                elif isinstance(event, FinishedEvent):
+                    yield TokenEvent(token_ids=[], finish_reason=event.finish_reason)
+                    return
+            if kv_source is None:
+                raise StageFailure(hop.instance, f"{hop.instance.url} ended {hop.stages} without a hand-over")
+
+    async def _encode_spread(self, req: GenerationRequest, hops: list[Hop], images: dict[str, str],
+                             mm_items: list[MMItemSpec], touched: set[str], excluded: set[str]
+                             ) -> tuple[list[Hop], dict[str, str], list[MMSource]]:
+        """Run encode-only work first: on E-only hops, and (IRP) images spread to other instances.
+
+        Returns the remaining hops, the images the first remaining hop still encodes itself,
+        and the embeddings to pull from elsewhere."""
+        first = hops[0]
+        hashes = list(dict.fromkeys(m.content_hash for m in mm_items))
+        if self.config.parallel_encode and len(hashes) > 1:
+            picks = spread_images(self.registry, self.chooser, len(hashes), first.instance, excluded)
+        else:
+            picks = [first.instance] * len(hashes)
+        keep_local = first.stages != [Stage.ENCODE]
+        remote: dict[str, list[str]] = {}
+        local: dict[str, str] = {}
+        for h, inst in zip(hashes, picks, strict=True):
+            if keep_local and inst is first.instance:
+                local[h] = images[h]
+            else:
+                remote.setdefault(inst.url, []).append(h)
+        by_url = {i.url: i for i in picks}
+        results = await asyncio.gather(*(
+            self._encode_only(req, by_url[url], {h: images[h] for h in hs}, mm_items, touched)
+            for url, hs in remote.items()))
+        sources = [s for group in results for s in group]
+        rest = hops if keep_local else hops[1:]
+        return rest, local, sources
+
+    async def _encode_only(self, req: GenerationRequest, inst: Instance, images: dict[str, str],
+                           mm_items: list[MMItemSpec], touched: set[str]) -> list[MMSource]:
+        items = [m for m in mm_items if m.content_hash in images]
+        sreq = StageRequest(request_id=req.request_id, stages=[Stage.ENCODE],
+                            prompt_token_ids=req.prompt_token_ids, mm_items=items, images=images,
+                            sampling=req.sampling, timeout_s=self.config.stage_timeout_s)
+        touched.add(inst.url)
+        async for event in self._stream(inst, sreq):
+            if isinstance(event, EncodedEvent):
+                return [MMSource(content_hash=e.content_hash, num_tokens=e.num_tokens, handle=e.handle)
+                        for e in event.items]
+        raise StageFailure(inst, f"{inst.url} ended the encode stage without a hand-over")
+
+    async def _stream(self, inst: Instance, sreq: StageRequest) -> AsyncIterator[object]:
+        """POST /internal/run and yield its parsed events; transport trouble is a StageFailure."""
+        timeout = httpx.Timeout(connect=5.0, read=self.config.stage_timeout_s, write=30.0, pool=5.0)
+        inst.inflight += 1
+        started = time.monotonic()
+        try:
+            async with self.client.stream("POST", f"{inst.url}/internal/run", content=sreq.model_dump_json(),
+                                          headers={"content-type": "application/json"},
+                                          timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    body = (await resp.aread()).decode(errors="replace")
+                    if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+                        raise BackendError(resp.status_code, _error_message(body))
+                    raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {body[:200]}",
+                                       status=503 if resp.status_code in (429, 503) else 502)
+                async for line in resp.aiter_lines():
+                    if not line.strip():
+                        continue
+                    event = _parse_event(line)
+                    if isinstance(event, ErrorEvent):
+                        if 400 <= event.status < 500:
+                            raise BackendError(event.status, event.message)
+                        raise StageFailure(inst, f"{inst.url}: {event.message}", status=event.status)
+                    yield event
+        except httpx.TimeoutException as exc:
+            raise StageFailure(inst, f"{inst.url} timed out after {time.monotonic() - started:.1f}s",
+                               status=504) from exc
+        except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
+            raise StageFailure(inst, f"{inst.url} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            inst.inflight -= 1
+
+    async def _abort(self, request_id: str, urls: set[str]) -> None:
+        """Best effort: tell every instance the request touched to drop it and free its blocks."""
+        async def one(url: str) -> None:
+            try:
+                await self.client.post(f"{url}/internal/abort/{request_id}", timeout=self.config.abort_timeout_s)
+            except httpx.HTTPError as exc:
+                log.debug("abort of %s on %s failed: %s", request_id, url, exc)
+
+        await asyncio.shield(asyncio.gather(*(one(u) for u in urls)))
+
+
+def _parse_event(line: str) -> object:
+    data = json.loads(line)
+    return _EVENT_TYPES[data["type"]].model_validate(data)
+
+
+def _error_message(body: str) -> str:
+    try:
+        data = json.loads(body)
+        return data.get("error", {}).get("message") or data.get("message") or body
+    except ValueError:
+        return body

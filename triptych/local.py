@@ -1,0 +1,188 @@
+"""Local mode: `triptych serve` runs the router and the instances as local processes.
+
+The same code paths as on Kubernetes (one worker process per instance, real HTTP and
+real NIXL between them), with static discovery instead of a pod watch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from triptych.topology import InstanceType, parse_topology
+
+log = logging.getLogger("triptych.local")
+
+
+class StartupError(RuntimeError):
+    """A process of the local deployment exited or did not become ready in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def resolve_model(model: str) -> Path:
+    """`tiny` builds (once, cached) the tiny Qwen2-VL checkpoint; anything else is a path."""
+    if model == "tiny":
+        from triptych.tiny_model import tiny_model_path
+
+        return tiny_model_path("qwen2-vl")
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {model!r}: no config.json there (expected a checkpoint directory)")
+    return path
+
+
+@dataclass
+class Process:
+    name: str
+    url: str
+    popen: subprocess.Popen[bytes]
+
+
+@dataclass
+class LocalDeployment:
+    """Starts instances and a router as child processes; a context manager for tests too."""
+
+    model: Path
+    topology: dict[InstanceType, int]
+    host: str = "127.0.0.1"
+    port: int = 0
+    transfer_require: str = "any"
+    worker_args: list[str] = field(default_factory=list)
+    router_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 180.0
+    log_dir: Path | None = None
+    processes: list[Process] = field(default_factory=list)
+
+    @property
+    def router_url(self) -> str:
+        return self.processes[-1].url
+
+    @property
+    def workers(self) -> list[Process]:
+        return self.processes[:-1]
+
+    def _threads_per_instance(self) -> int:
+        instances = sum(self.topology.values())
+        return max(1, (os.cpu_count() or 1) // instances)
+
+    def _spawn(self, name: str, args: list[str], port: int) -> Process:
+        env = dict(os.environ)
+        threads = str(self._threads_per_instance())
+        env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TRIPTYCH_THREADS=threads)
+        out = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "wb")
+        cmd = [sys.executable, "-m", "triptych.cli", *args]
+        popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return Process(name=name, url=f"http://{self.host}:{port}", popen=popen)
+
+    def start_worker(self, kind: InstanceType | str, index: int) -> Process:
+        port = free_port(self.host)
+        args = ["worker", "--model", str(self.model), "--role", str(kind), "--host", self.host,
+                "--port", str(port), "--instance-id", f"{kind}-{index}",
+                "--transfer-require", self.transfer_require, *self.worker_args]
+        return self._spawn(f"worker-{kind}-{index}", args, port)
+
+    def start(self) -> LocalDeployment:
+        try:
+            workers = [self.start_worker(kind, i) for kind, n in self.topology.items() for i in range(n)]
+            self.processes.extend(workers)
+            self._wait_ready(workers)
+            port = self.port or free_port(self.host)
+            router_args = ["router", "--model", str(self.model), "--host", self.host, "--port", str(port),
+                           "--workers", *[w.url for w in workers], *self.router_args]
+            router = self._spawn("router", router_args, port)
+            self.processes.append(router)
+            self._wait_ready([router])
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, procs: list[Process]) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        pending = list(procs)
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for proc in list(pending):
+                    if proc.popen.poll() is not None:
+                        raise StartupError(f"{proc.name} exited with code {proc.popen.returncode}")
+                    try:
+                        if client.get(f"{proc.url}/ready").status_code == 200:
+                            pending.remove(proc)
+                    except httpx.HTTPError:
+                        pass
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(p.name for p in pending)
+                    raise StartupError(f"not ready after {self.startup_timeout_s:.0f}s: {names}")
+                if pending:
+                    time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM everything (router first, so it stops routing), then SIGKILL stragglers."""
+        for proc in reversed(self.processes):
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                proc.popen.wait(timeout=remaining)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait(timeout=5)
+        self.processes.clear()
+
+    def __enter__(self) -> LocalDeployment:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    deployment = LocalDeployment(
+        model=resolve_model(args.model),
+        topology=parse_topology(args.topology),
+        host=args.host,
+        port=args.port,
+        transfer_require=args.transfer_require,
+    )
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    deployment.start()
+    print(f"Triptych is serving {deployment.model.name} ({args.topology}) at {deployment.router_url}/v1",
+          flush=True)
+    try:
+        while not stopping:
+            dead = [p for p in deployment.processes if p.popen.poll() is not None]
+            if dead:
+                log.error("%s exited with code %s; shutting down", dead[0].name, dead[0].popen.returncode)
+                return 1
+            time.sleep(0.5)
+    finally:
+        deployment.stop()
+    return 0
