@@ -1,0 +1,45 @@
+"""Attention backends over the paged KV cache (see base.py for the contract)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .base import (
+    AttentionBackend,
+    AttentionGeometry,
+    AttentionMetadata,
+    AttentionMetadataError,
+    build_metadata,
+)
+from .torch_backend import TorchAttention
+
+log = logging.getLogger(__name__)
+
+# Head sizes FlashInfer's prebuilt paged kernels cover.
+_FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def select_backend(device: torch.device | str, head_dim: int | None = None) -> AttentionBackend:
+    """FlashInfer on CUDA when it imports and supports `head_dim`, else the torch backend."""
+    device = torch.device(device)
+    if device.type == "cuda" and (head_dim is None or head_dim in _FLASHINFER_HEAD_DIMS):
+        try:
+            from .flashinfer_backend import FlashInferAttention
+
+            return FlashInferAttention(device)
+        except (ImportError, RuntimeError) as exc:
+            log.warning("FlashInfer unavailable (%s); using the torch attention backend", exc)
+    return TorchAttention()
+
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionGeometry",
+    "AttentionMetadata",
+    "AttentionMetadataError",
+    "TorchAttention",
+    "build_metadata",
+    "select_backend",
+]

@@ -1,0 +1,168 @@
+"""Vision encoders: transformers' own towers, driven by our batching.
+
+Qwen2-VL / Qwen2.5-VL reuse `Qwen2VisionTransformerPretrainedModel` /
+`Qwen2_5_VisionTransformerPretrainedModel` (patch embed, blocks, 2x2 merger); LLaVA
+reuses `CLIPVisionModel` + `LlavaMultiModalProjector`. Preprocessing is the
+checkpoint's image processor (transformers' PIL implementation). `encode` runs the
+images of several requests in one tower call and splits the output per image.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .spec import ModelSpec, UnsupportedCheckpointError
+
+
+@dataclass
+class VisionInput:
+    """One preprocessed image (or video): what `encode` consumes."""
+
+    pixel_values: torch.Tensor  # Qwen: [patches, C*T*P*P]; LLaVA: [3, H, W]
+    grid_thw: tuple[int, int, int] | None  # Qwen patch grid (t, h, w); None for LLaVA
+    num_tokens: int  # LLM embedding rows this input yields
+
+
+class VisionModel(nn.Module):
+    """Common surface of the vision encoders (see the family subclasses)."""
+
+    def __init__(self, spec: ModelSpec, processor: Any) -> None:
+        super().__init__()
+        self.spec = spec
+        self.processor = processor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def preprocess(self, image: Any) -> VisionInput:
+        raise NotImplementedError
+
+    def encode(self, batch: Sequence[VisionInput]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class QwenVisionModel(VisionModel):
+    """Qwen2-VL / Qwen2.5-VL vision transformer with its patch merger (`visual.*` weights)."""
+
+    def __init__(self, spec: ModelSpec, hf_config: Any, processor: Any) -> None:
+        super().__init__(spec, processor)
+        if spec.family == "qwen2-vl":
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+                Qwen2VisionTransformerPretrainedModel as Tower,
+            )
+        else:
+            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+                Qwen2_5_VisionTransformerPretrainedModel as Tower,
+            )
+        self.visual = _build(Tower, hf_config.vision_config)
+        self.merge = spec.spatial_merge_size
+
+    def preprocess(self, image: Any) -> VisionInput:
+        out = self.processor(images=[image], return_tensors="pt")
+        t, h, w = (int(v) for v in out["image_grid_thw"][0])
+        return VisionInput(out["pixel_values"], (t, h, w), t * h * w // self.merge**2)
+
+    @torch.inference_mode()
+    def encode(self, batch: Sequence[VisionInput]) -> list[torch.Tensor]:
+        if not batch:
+            return []
+        for item in batch:
+            if item.grid_thw is None:
+                raise ValueError("Qwen vision input needs grid_thw")
+        pixels = torch.cat([item.pixel_values for item in batch]).to(self.device, self.dtype)
+        grid = torch.tensor([item.grid_thw for item in batch], dtype=torch.long, device=self.device)
+        # One tower call: attention stays within each image (cu_seqlens from grid_thw).
+        merged = self.visual(pixels, grid_thw=grid).pooler_output
+        return list(merged.to(self.dtype).split([item.num_tokens for item in batch]))
+
+
+class LlavaVisionModel(VisionModel):
+    """CLIP vision tower + LLaVA projector (`vision_tower.*`, `multi_modal_projector.*`)."""
+
+    def __init__(self, spec: ModelSpec, hf_config: Any, processor: Any) -> None:
+        super().__init__(spec, processor)
+        from transformers import CLIPVisionModel
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        vision_config = copy.deepcopy(hf_config.vision_config)
+        if getattr(vision_config, "model_type", None) != "clip_vision_model":
+            raise UnsupportedCheckpointError(
+                f"LLaVA vision tower {vision_config.model_type!r} is not supported (only clip_vision_model)"
+            )
+        layers = vision_config.num_hidden_layers
+        feature = hf_config.vision_feature_layer
+        # hidden_states has layers + 1 entries (embeddings, then each layer's output).
+        self.feature_layers = [i % (layers + 1) for i in ([feature] if isinstance(feature, int) else feature)]
+        self.multi_feature = not isinstance(feature, int)
+        # Layers after the deepest selected one never influence the output: do not build them.
+        vision_config.num_hidden_layers = max(self.feature_layers)
+        self.vision_tower = _build(CLIPVisionModel, vision_config)
+        self.multi_modal_projector = LlavaMultiModalProjector(hf_config)
+        self.drop_cls = hf_config.vision_feature_select_strategy == "default"
+        self.patch_size = vision_config.patch_size
+
+    def preprocess(self, image: Any) -> VisionInput:
+        pixels = self.processor(images=[image], return_tensors="pt")["pixel_values"][0]
+        patches = (pixels.shape[-2] // self.patch_size) * (pixels.shape[-1] // self.patch_size)
+        return VisionInput(pixels, None, patches + (0 if self.drop_cls else 1))
+
+    @torch.inference_mode()
+    def encode(self, batch: Sequence[VisionInput]) -> list[torch.Tensor]:
+        results: list[torch.Tensor | None] = [None] * len(batch)
+        by_shape: dict[tuple[int, ...], list[int]] = {}
+        for index, item in enumerate(batch):
+            by_shape.setdefault(tuple(item.pixel_values.shape), []).append(index)
+        for indices in by_shape.values():
+            pixels = torch.stack([batch[i].pixel_values for i in indices]).to(self.device, self.dtype)
+            for i, features in zip(indices, self._encode_same_size(pixels), strict=True):
+                results[i] = features
+        return [r for r in results if r is not None]
+
+    def _encode_same_size(self, pixels: torch.Tensor) -> torch.Tensor:
+        # Same selection as transformers' LlavaModel.get_image_features.
+        hidden = self.vision_tower(pixels, output_hidden_states=True).hidden_states
+        selected = [hidden[i][:, 1:] if self.drop_cls else hidden[i] for i in self.feature_layers]
+        features = torch.cat(selected, dim=-1) if self.multi_feature else selected[0]
+        return self.multi_modal_projector(features).to(self.dtype)
+
+
+def build_vision_model(spec: ModelSpec, hf_config: Any, model_dir: Path) -> VisionModel:
+    processor = load_image_processor(model_dir)
+    if spec.family == "llava":
+        return LlavaVisionModel(spec, hf_config, processor)
+    return QwenVisionModel(spec, hf_config, processor)
+
+
+def load_image_processor(model_dir: Path) -> Any:
+    if not (model_dir / "preprocessor_config.json").is_file():
+        raise UnsupportedCheckpointError(f"{model_dir}: no preprocessor_config.json (image processor)")
+    from transformers import AutoImageProcessor
+
+    try:
+        return AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True)
+    except (ValueError, OSError, ImportError) as exc:
+        raise UnsupportedCheckpointError(f"{model_dir}: cannot load the image processor: {exc}") from exc
+
+
+def _build(cls: Any, config: Any) -> nn.Module:
+    """Construct a transformers tower without random init: the checkpoint overwrites it."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = "sdpa"
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers: plain construction is only slower
+        return cls._from_config(config).eval()
+    with no_init_weights():
+        return cls._from_config(config).eval()
