@@ -28,7 +28,7 @@ class RouterConfig(BaseModel):
     image_host_allowlist: list[str] = []
     image_fetch_timeout_s: float = Field(default=10.0, gt=0)
     max_image_bytes: int = Field(default=20 * MiB, ge=1)
-    max_image_pixels: int = Field(default=1 << 25, ge=1)  # 32 MP; checked before decoding
+    max_image_pixels: int = Field(default=4096 * 4096, ge=1)  # checked before decoding
     max_images_per_request: int = Field(default=16, ge=0)
     max_request_bytes: int = Field(default=64 * MiB, ge=1)
 
@@ -87,3 +87,14 @@ def read_max_model_len(model_dir: Path) -> int:
         if isinstance(value, int) and value > 0:
             return value
     raise ValueError(f"{path} has no max_position_embeddings; set max_model_len")
+
+
+def read_placeholder_ids(model_dir: Path) -> frozenset[int]:
+    """The token ids that stand for image/video embeddings in a prompt (config.json:
+    Qwen's image_token_id/video_token_id, LLaVA's image_token_index)."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return frozenset()
+    keys = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
+    return frozenset(v for k in keys if isinstance(v := cfg.get(k), int))

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from triptych.router.backend import BackendError
 
 log = logging.getLogger("triptych.router.errors")
@@ -74,34 +75,57 @@ def from_backend(exc: BackendError) -> OpenAIError:
     return OpenAIError(status, exc.message, code=code, retry_after=exc.retry_after)
 
 
+_UNION_TAGS = {"text", "image_url", "video_url"}  # content part discriminators (protocol.py)
+_TYPE_SEGMENTS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+def _is_type_segment(part: str) -> bool:
+    """pydantic names union branches and validators in `loc` ('str', 'list[...]',
+    'function-after[...]'); they are not fields and do not belong in `param`."""
+    return part in _TYPE_SEGMENTS or "[" in part
+
+
 def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
-    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
-    parts = [p for p in loc if p != "body"]
+    """('body', 'messages', 0, 'content', 'list[...]', 1, 'image_url', 'image_url', 'url')
+    -> 'messages[0].content[1].image_url.url'."""
     out = ""
-    for p in parts:
+    prev: Any = None
+    for p in loc[1:] if loc[:1] == ("body",) else loc:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif "[" in str(p) or "-" in str(p) or p in ("function-after", "function-before"):
-            continue  # pydantic's union/validator tags, not field names
+        elif _is_type_segment(str(p)) or (isinstance(prev, int) and p in _UNION_TAGS):
+            pass  # a discriminated union's tag follows the list index of the part
         else:
             out += f".{p}" if out else str(p)
+        prev = p
     return out or None
 
 
+def _message(err: dict[str, Any]) -> str:
+    if err.get("type") == "extra_forbidden":
+        return "unrecognized request argument (not supported by this server)"
+    return str(err.get("msg", "invalid value"))
+
+
 def from_validation(exc: RequestValidationError) -> OpenAIError:
-    errors = exc.errors()
+    errors = list(exc.errors())
     if not errors:
         return InvalidRequestError("invalid request")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return InvalidRequestError(f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
+    if any(e.get("type") == "json_invalid" for e in errors):
+        err = next(e for e in errors if e.get("type") == "json_invalid")
+        detail = err.get("ctx", {}).get("error") or err.get("msg")
+        return InvalidRequestError(f"malformed JSON in the request body: {detail}", code="invalid_json")
+    if len(errors) == 1 and tuple(errors[0].get("loc", ())) == ("body",) and isinstance(
+            errors[0].get("input"), (bytes, str)):
+        return InvalidRequestError("the request body must be a JSON object (Content-Type: application/json)",
                                    code="invalid_json")
-    param = _loc_to_param(tuple(first.get("loc", ())))
-    msg = str(first.get("msg", "invalid value"))
-    message = f"{param}: {msg}" if param else msg
-    if len(errors) > 1:
-        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return InvalidRequestError(message, param=param)
+    # The deepest error is the most specific (a union reports one error per branch).
+    depth = max(len(e.get("loc", ())) for e in errors)
+    deepest = [e for e in errors if len(e.get("loc", ())) == depth]
+    param = _loc_to_param(tuple(deepest[0].get("loc", ())))
+    same = [e for e in deepest if _loc_to_param(tuple(e.get("loc", ()))) == param]
+    msg = " or ".join(dict.fromkeys(_message(e) for e in same))
+    return InvalidRequestError(f"{param}: {msg}" if param else msg, param=param)
 
 
 async def _openai_error_handler(_: Request, exc: Exception) -> JSONResponse:

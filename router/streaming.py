@@ -1,11 +1,9 @@
-"""Token ids -> text as it streams: incremental detokenization, stop strings, SSE framing.
+"""Token ids -> text as it streams: stop strings on top of incremental detokenization,
+SSE framing, and the pump that relays a backend's events.
 
-Detokenization follows vLLM's windowed scheme: decode a short window of recent tokens
-twice (with and without the newest ones) and emit the difference, so a token decodes in
-context (SentencePiece's leading-space rule) and a multi-byte character split across
-tokens is held back until complete (a trailing U+FFFD means "incomplete") - the client
-never sees a broken UTF-8 fragment. The concatenation of all emitted pieces equals
-`decode(all_ids)` (checked in the tests).
+Detokenization itself is the processor's (`MultimodalProcessor.detokenizer`): a
+multi-byte character split across tokens is held back until complete, so the client
+never sees a broken UTF-8 fragment.
 
 Stop strings: the backend is asked to stop on them too, but the router is what trims
 them from the text, and it holds back any tail that could still grow into a stop string.
@@ -13,14 +11,14 @@ them from the text, and it holds back any tail that could still grow into a stop
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+import anyio
 
 DONE = b"data: [DONE]\n\n"
-_REPLACEMENT = "\ufffd"
-
-Decode = Callable[[Sequence[int]], str]
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -28,32 +26,14 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-class IncrementalDetokenizer:
-    def __init__(self, decode: Decode) -> None:
-        self._decode = decode
-        self.ids: list[int] = []
-        self._prefix = 0  # start of the context window
-        self._read = 0  # tokens before this index have been emitted as text
+class Detokenizer(Protocol):
+    """Incremental detokenization (the processor's `IncrementalDetokenizer`): `add` returns
+    the newly completed text, holding back a character split across tokens; `flush` the
+    rest at the end."""
 
-    def add(self, token_ids: Sequence[int]) -> str:
-        """Append tokens; return the newly completed text (possibly '')."""
-        self.ids.extend(token_ids)
-        if not token_ids:
-            return ""
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        new_text = self._decode(self.ids[self._prefix:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
-            self._prefix, self._read = self._read, len(self.ids)
-            return new_text[len(prefix_text):]
-        return ""
+    def add(self, token_ids: Sequence[int]) -> str: ...
 
-    def flush(self) -> str:
-        """The rest at the end of the sequence, even if it ends in an invalid byte run
-        (then it holds U+FFFD exactly as a full decode would)."""
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        new_text = self._decode(self.ids[self._prefix:])
-        self._prefix = self._read = len(self.ids)
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+    def flush(self) -> str: ...
 
 
 class OutputText:
@@ -62,22 +42,21 @@ class OutputText:
     `add` and `finish` return what may be sent to the client now; after a stop string is
     seen `stopped` is True and the caller ends the request (finish_reason 'stop')."""
 
-    def __init__(self, decode: Decode, stop: Sequence[str] = ()) -> None:
-        self._detok = IncrementalDetokenizer(decode)
+    def __init__(self, detokenizer: Detokenizer, stop: Sequence[str] = ()) -> None:
+        self._detok = detokenizer
+        self.num_tokens = 0
         self._stops = [s for s in stop if s]
         self._longest = max((len(s) for s in self._stops), default=0)
         self.text = ""
         self._sent = 0
         self.stopped = False
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self._detok.ids)
-
     def add(self, token_ids: Sequence[int]) -> str:
         if self.stopped:
             return ""
-        self._append(self._detok.add(token_ids))
+        self.num_tokens += len(token_ids)
+        if token_ids:
+            self._append(self._detok.add(list(token_ids)))
         return self._take(final=False)
 
     def finish(self) -> str:
@@ -113,3 +92,71 @@ class OutputText:
             if any(s.startswith(tail) for s in self._stops):
                 return k
         return 0
+
+
+class EventPump:
+    """Consumes a backend's event iterator in a task of its own.
+
+    Why a task: a client disconnect cancels the response's anyio scope, and anyio keeps
+    re-cancelling every await inside that scope - a backend's abort calls in its
+    `finally` would be cut short. Behind the pump the backend sees exactly one
+    CancelledError (asyncio's edge-triggered kind) and `close` waits, shielded and
+    bounded, for its cleanup to finish."""
+
+    _END = object()
+    _EMPTY = object()
+
+    def __init__(self, events: AsyncIterator[Any], abort_timeout_s: float) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._abort_timeout_s = abort_timeout_s
+        self._task = asyncio.create_task(self._run(events))
+        self._done = False
+        self._head: Any = self._EMPTY
+
+    async def _run(self, events: AsyncIterator[Any]) -> None:
+        try:
+            async for event in events:
+                self._queue.put_nowait(event)
+            self._queue.put_nowait(self._END)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to the consumer, which reports it to the client
+            self._queue.put_nowait(exc)
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def prime(self) -> None:
+        """Wait for the first item without consuming it (raises the backend's exception)."""
+        if self._head is self._EMPTY:
+            self._head = await self._queue.get()
+            if isinstance(self._head, BaseException):
+                self._done = True
+                raise self._head
+
+    async def next(self) -> Any | None:
+        """The next event; None at the end; re-raises the backend's exception."""
+        if self._done:
+            return None
+        if self._head is not self._EMPTY:
+            item, self._head = self._head, self._EMPTY
+        else:
+            item = await self._queue.get()
+        if item is self._END:
+            self._done = True
+            return None
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        return item
+
+    async def close(self) -> None:
+        """Cancel the backend if it is still running (= abort the request) and wait for
+        its cleanup, at most abort_timeout_s; safe to call twice and from a cancelled scope."""
+        self._done = True
+        if self._task.done():
+            return
+        self._task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait({self._task}, timeout=self._abort_timeout_s)
