@@ -1,0 +1,80 @@
+"""Budgets from SLOs by start-up profiling (TriInfer §4.2, Algorithm 1 lines 1-5).
+
+An instance that must protect TTFT (E, EP, P) keeps each batch under alpha * TTFT SLO,
+with alpha = 0.5 because a request needs at least two iterations to its first token (one
+to encode, one to finish the prefill). An instance that decodes (D, PD, ED, EPD) keeps
+each batch under the TBT SLO. Batch latency grows monotonically with batch size
+(TriInfer Fig. 3), so a binary search finds the largest token budget (and image budget)
+whose measured step time stays under that limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from triptych.topology import InstanceType, Stage
+
+if TYPE_CHECKING:
+    from triptych.worker.engine.engine import Engine
+
+ALPHA = 0.5
+TTFT_TYPES = frozenset({InstanceType.E, InstanceType.EP, InstanceType.P})
+
+
+class ProfilingError(ValueError):
+    """The SLO needed for this instance type is missing, or not even the smallest batch fits."""
+
+
+@dataclass(frozen=True)
+class Budgets:
+    token_budget: int | None
+    image_budget: int | None
+    latency_limit_s: float
+
+
+def latency_limit(role: InstanceType, ttft_slo_s: float | None, tbt_slo_s: float | None,
+                  alpha: float = ALPHA) -> float:
+    """The step-time limit of Alg. 1 lines 1-4."""
+    if role in TTFT_TYPES:
+        if ttft_slo_s is None:
+            raise ProfilingError(f"a {role.value} instance derives its budgets from the TTFT SLO; none given")
+        return alpha * ttft_slo_s
+    if tbt_slo_s is None:
+        raise ProfilingError(f"a {role.value} instance derives its budgets from the TBT SLO; none given")
+    return tbt_slo_s
+
+
+def search_budget(cost: Callable[[int], float], limit: float, lo: int = 1, hi: int = 8192) -> int:
+    """Largest b in [lo, hi] with cost(b) <= limit, assuming cost is non-decreasing; lo - 1
+    when even cost(lo) is over the limit. Calls cost O(log(hi - lo)) times."""
+    if hi < lo:
+        raise ValueError(f"empty search range [{lo}, {hi}]")
+    best = lo - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if cost(mid) <= limit:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def profile_budgets(engine: Engine, *, ttft_slo_s: float | None, tbt_slo_s: float | None,
+                    alpha: float = ALPHA, max_token_budget: int = 8192, max_image_budget: int = 64,
+                    image_size: tuple[int, int] = (448, 448)) -> Budgets:
+    """Measure this engine's step times and search both budgets under the SLO limit."""
+    limit = latency_limit(engine.role, ttft_slo_s, tbt_slo_s, alpha)
+    tokens = images = None
+    if engine.language is not None and engine.kv is not None:
+        hi = min(max_token_budget, engine.kv.num_blocks * engine.kv.block_size, engine.max_model_len)
+        tokens = search_budget(engine.measure_prefill, limit, 1, hi)
+        if tokens < 1:
+            raise ProfilingError(f"one token of prefill takes longer than the step limit {limit:.4f} s")
+    if engine.vision is not None and engine.role.runs(Stage.ENCODE):
+        images = search_budget(lambda n: engine.measure_encode(n, image_size), limit, 1, max_image_budget)
+        if images < 1:
+            raise ProfilingError(f"encoding one {image_size[0]}x{image_size[1]} image takes longer than the "
+                                 f"step limit {limit:.4f} s")
+    return Budgets(tokens, images, limit)

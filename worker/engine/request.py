@@ -1,0 +1,240 @@
+"""One request's state inside an engine instance.
+
+A request walks WAITING_ENCODE -> ENCODING -> WAITING_PREFILL -> PREFILLING -> DECODING ->
+FINISHED; a request without images (or whose embeddings are already in this instance's MM
+cache) starts at WAITING_PREFILL. Disaggregation needs requests that run only some of the
+stages (HydraInfer §4.4): `stages` names the stages this instance runs for it.
+
+- `stages = {ENCODE}`: encode the images, then PARK: the embeddings stay in the MM cache
+  (refcounts held) until the serving layer calls `Engine.release`.
+- `stages ⊇ {PREFILL}` without DECODE: prefill, sample the first token, then PARK with the
+  KV blocks held until `release` (the D instance pulls them first).
+- `stages = {DECODE}` (or PREFILL skipped): the prompt's KV was filled externally into
+  blocks this engine reserved (`prefilled`), and the first token was sampled elsewhere.
+- Without ENCODE, image embeddings must already be in this engine's MM cache (pulled from
+  an E instance); they are found by content hash.
+
+The token sequence is unified as in vLLM v1: `all_token_ids = prompt + outputs`, and
+`num_computed_tokens` of them have KV in the cache. Each step computes a span of the
+uncomputed tokens; when a span reaches the end, the next token is sampled. A decode is the
+one-token case, and a recompute after preemption is a prefill of prompt + outputs so far.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Protocol
+
+from triptych.sampling_params import SamplingParams
+from triptych.topology import Stage
+
+if TYPE_CHECKING:
+    import torch
+
+    from triptych.worker.engine.mm_cache import MMEntry
+
+ALL_STAGES: frozenset[Stage] = frozenset(Stage)
+
+
+class RequestStatus(StrEnum):
+    WAITING_ENCODE = "waiting_encode"
+    ENCODING = "encoding"
+    WAITING_PREFILL = "waiting_prefill"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PARKED = "parked"  # a stage hand-off: resources held until Engine.release
+    FINISHED = "finished"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+# --- errors raised at add_request -------------------------------------------------------
+
+
+class InvalidRequestError(ValueError):
+    """A request this engine cannot run; the message says why. Other requests are unaffected."""
+
+
+class PromptTooLongError(InvalidRequestError):
+    pass
+
+
+class EngineImageError(InvalidRequestError):
+    """An image that cannot be decoded, or one over the configured pixel limit."""
+
+
+class MissingEmbeddingError(InvalidRequestError):
+    """An image that is neither given (to encode here) nor in this engine's MM cache."""
+
+
+class StageNotServedError(InvalidRequestError):
+    """The request needs a stage this instance's role does not run."""
+
+
+class MMItemLike(Protocol):
+    """`triptych.processor.MMItem` or `worker.protocol.MMItemSpec`: a placeholder run."""
+
+    offset: int
+    length: int
+    content_hash: str
+    grid_thw: tuple[int, int, int] | None
+
+
+@dataclass
+class PrefilledKV:
+    """Entry point (b): the prompt's KV was written into `block_ids` of this engine's KV
+    cache by someone else (a P instance, over NIXL); `first_token` was sampled there."""
+
+    block_ids: list[int]
+    num_tokens: int
+    first_token: int
+
+
+@dataclass
+class RequestTimings:
+    arrival: float = 0.0
+    first_scheduled: float | None = None
+    encode_start: float | None = None
+    encode_end: float | None = None
+    prefill_start: float | None = None
+    prefill_end: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, float]:
+        out = {k: v for k, v in vars(self).items() if isinstance(v, float)}
+        if self.first_scheduled is not None:
+            out["queue"] = self.first_scheduled - self.arrival
+        if self.first_token is not None:
+            out["ttft"] = self.first_token - self.arrival
+        return out
+
+
+@dataclass
+class Handoff:
+    """What a PARKED request holds for the next instance to pull (HydraInfer §4.3)."""
+
+    stage: Stage
+    kv_block_ids: list[int] = field(default_factory=list)
+    num_kv_tokens: int = 0
+    first_token: int | None = None
+    # (content_hash, block_ids, num_rows) per distinct image embedding
+    mm: list[tuple[str, list[int], int]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """A delta: what one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    handoff: Handoff | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    timings: dict[str, float] | None = None
+
+
+_arrival_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    mm_items: Sequence[MMItemLike] = ()
+    # Images to encode here, keyed by content hash (PIL.Image or encoded bytes).
+    images: Mapping[str, Any] = field(default_factory=dict)
+    stages: frozenset[Stage] = ALL_STAGES
+    prefilled: PrefilledKV | None = None
+
+    # --- runtime state, owned by the engine -------------------------------------------
+    status: RequestStatus = field(default=RequestStatus.WAITING_PREFILL, init=False)
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    prefill_done: bool = field(default=False, init=False)
+    block_ids: list[int] = field(default_factory=list, init=False)
+    mm_entries: list[MMEntry | None] = field(default_factory=list, init=False)
+    vision_inputs: dict[str, Any] = field(default_factory=dict, init=False)  # hash -> VisionInput
+    seed: int | None = field(default=None, init=False)  # resolved at admission
+    finish_reason: FinishReason | None = field(default=None, init=False)
+    error: str | None = field(default=None, init=False)
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter), init=False)
+    timings: RequestTimings = field(default_factory=RequestTimings, init=False)
+    positions: torch.Tensor | None = field(default=None, init=False)  # prompt positions
+    rope_delta: int = field(default=0, init=False)
+    recomputable: bool = field(default=True, init=False)
+    num_preemptions: int = field(default=0, init=False)
+    # detokenizer and stop-string state (see engine._postprocess)
+    text: str = field(default="", init=False)
+    sent_text_len: int = field(default=0, init=False)
+    sent_token_len: int = field(default=0, init=False)
+    detok: Any = field(default=None, init=False)
+    logprobs: list[dict[str, Any]] = field(default_factory=list, init=False)
+    sent_logprobs_len: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.stages = frozenset(Stage(s) for s in self.stages)
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.mm_items = sorted(self.mm_items, key=lambda it: it.offset)
+        self.mm_entries = [None] * len(self.mm_items)
+        self.timings.arrival = time.monotonic()
+
+    # --- derived --------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def stop_after(self) -> Stage:
+        """The last stage this instance runs for the request."""
+        for stage in (Stage.DECODE, Stage.PREFILL, Stage.ENCODE):
+            if stage in self.stages:
+                return stage
+        raise InvalidRequestError("a request needs at least one stage")
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def pending_mm(self) -> list[int]:
+        """Items still to be computed that hold no MM cache entry yet."""
+        done = self.num_computed_tokens
+        return [i for i, (item, e) in enumerate(zip(self.mm_items, self.mm_entries, strict=True))
+                if e is None and item.offset + item.length > done]
+
+    def mm_ready_limit(self) -> int:
+        """Prefill may compute tokens below this index: the first item without ready
+        embeddings bounds it (a chunk can stop inside an image span of a ready item)."""
+        for item, entry in zip(self.mm_items, self.mm_entries, strict=True):
+            if entry is None or not entry.ready:
+                if item.offset + item.length > self.num_computed_tokens:
+                    return item.offset
+        return self.num_tokens

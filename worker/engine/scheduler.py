@@ -1,0 +1,332 @@
+"""Stage-level batching (TriInfer §4.2, Algorithm 1; HydraInfer §4.2).
+
+Every step builds one batch for one instance, whatever its type (E, P, D, EP, ED, PD,
+EPD):
+
+1. every running decode, one token each against the token budget (Alg. 1 lines 7-9);
+2. chunks of running prefills up to the remaining token budget (lines 10-13);
+3. encodes of running requests' pending images up to the image budget (lines 14-16);
+4. waiting requests in arrival order: prefills fill the token budget, requests with images
+   to encode fill the image budget (lines 17-24).
+
+Encode and prefill share an iteration (TriInfer). A prefill chunk covers only positions
+whose image embeddings are already in the MM cache, and may end inside an image span; the
+embeddings computed in a step serve chunks from the next step on (so a request needs at
+least two iterations to its first token, the reason for alpha = 0.5 in the budgets).
+
+When KV blocks run out, the latest-arrived running request is preempted with recompute:
+its blocks are freed and it goes back to the head of the queue; its prompt plus the tokens
+it has generated are prefilled again later (vLLM's recompute preemption). Requests whose
+KV was filled by another instance and whose image embeddings this engine never had cannot
+be recomputed and are never chosen.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from triptych.topology import Stage
+from triptych.worker.engine.kv_cache import KVCache
+from triptych.worker.engine.mm_cache import MMCache
+from triptych.worker.engine.request import Request, RequestStatus
+
+
+@dataclass
+class Chunk:
+    """Tokens `[start, end)` of `req.all_token_ids` computed this step."""
+
+    req: Request
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the sequence: the next token is sampled from it."""
+        return self.end == self.req.num_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    chunks: list[Chunk] = field(default_factory=list)
+    encodes: list[tuple[Request, int]] = field(default_factory=list)  # (request, item index)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+    blocked_on_kv: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks and not self.encodes
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    preemptions: int = 0
+    prefill_chunks: int = 0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    images_encoded: int = 0
+    mm_cache_hits: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+@dataclass
+class SchedulerConfig:
+    token_budget: int
+    image_budget: int
+    max_num_seqs: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCache | None, mm: MMCache | None) -> None:
+        self.config = config
+        self.kv = kv
+        self.mm = mm
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival
+        self.parked: dict[str, Request] = {}
+        self.counters = Counters()
+        self._tokens_left = 0
+        self._images_left = 0
+
+    # --- queue management -------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        if self.mm is not None:
+            self._acquire_cached(req)
+        if req.prefilled is not None:
+            # Entry (b): blocks were reserved and filled by the caller; decode right away.
+            self._insert_running(req)
+        else:
+            self.waiting.append(req)
+        update_status(req, running=req.prefilled is not None)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of every queue and give back all its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.parked.pop(req.request_id, None)
+        self._free_kv(req)
+        if self.mm is not None:
+            for i, entry in enumerate(req.mm_entries):
+                if entry is not None:
+                    self.mm.release(entry)
+                    req.mm_entries[i] = None
+
+    def park(self, req: Request) -> None:
+        """A stage hand-off: out of the batch, resources kept until `remove`."""
+        self.running.remove(req)
+        self.parked[req.request_id] = req
+        req.status = RequestStatus.PARKED
+
+    def release_passed_mm(self, req: Request) -> None:
+        """Drop MM refs of images the prefill has passed. The entry stays cached (and
+        reusable) until evicted; only a request that can re-encode lets go, so a recompute
+        never needs an embedding this engine cannot make again."""
+        if self.mm is None or req.stop_after == Stage.ENCODE:
+            return
+        done = req.num_computed_tokens
+        for i, (item, entry) in enumerate(zip(req.mm_items, req.mm_entries, strict=True)):
+            if entry is not None and item.offset + item.length <= done and item.content_hash in req.images:
+                self.mm.release(entry)
+                req.mm_entries[i] = None
+
+    # --- Algorithm 1 ------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        self._tokens_left = self.config.token_budget
+        self._images_left = self.config.image_budget
+        self._schedule_decodes(batch)
+        self._schedule_running_prefills(batch)
+        self._schedule_running_encodes(batch)
+        self._admit_waiting(batch)
+        return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch) -> None:
+        for req in list(self.running):
+            if req.prefill_done and req in self.running:
+                if self._reserve_kv(req, req.num_tokens, batch):
+                    batch.chunks.append(Chunk(req, req.num_computed_tokens, req.num_tokens))
+                    self._tokens_left -= 1
+
+    def _schedule_running_prefills(self, batch: ScheduledBatch) -> None:
+        for req in list(self.running):
+            if self._tokens_left <= 0:
+                return
+            if req.prefill_done or req not in self.running or not self._runs_prefill(req):
+                continue
+            n = self._chunk_len(req)
+            if n > 0 and self._reserve_kv(req, req.num_computed_tokens + n, batch):
+                self._add_prefill_chunk(batch, req, n)
+
+    def _schedule_running_encodes(self, batch: ScheduledBatch) -> None:
+        for req in self.running:
+            self._schedule_encodes(req, batch)
+
+    def _admit_waiting(self, batch: ScheduledBatch) -> None:
+        prefill_blocked = False  # FIFO: once one prefill waits for KV, later ones wait too
+        for req in list(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs:
+                return
+            admitted = False
+            if self._needs_encode(req):
+                if self._images_left <= 0:
+                    continue
+                self._admit(req)
+                self._schedule_encodes(req, batch)
+                admitted = True  # its text before the first image may prefill right away
+            elif not self._runs_prefill(req):
+                self._admit(req)  # encode-only request whose embeddings were all cached
+                continue
+            if prefill_blocked or self._tokens_left <= 0 or not self._runs_prefill(req):
+                continue
+            n = self._chunk_len(req)
+            if n <= 0:
+                continue  # waits for embeddings (being encoded, or pulled into the MM cache)
+            assert self.kv is not None
+            if not self.kv.allocator.can_allocate(self.kv.blocks_for(req.num_computed_tokens + n)):
+                prefill_blocked = True
+                continue
+            if not admitted:
+                self._admit(req)
+            self._reserve_kv(req, req.num_computed_tokens + n, batch)
+            self._add_prefill_chunk(batch, req, n)
+
+    # --- helpers ----------------------------------------------------------------------
+    def _admit(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self._insert_running(req)
+        if req.timings.first_scheduled is None:
+            req.timings.first_scheduled = time.monotonic()
+        update_status(req, running=True)
+
+    def _insert_running(self, req: Request) -> None:
+        keys = [r.arrival_seq for r in self.running]
+        self.running.insert(bisect.bisect(keys, req.arrival_seq), req)
+
+    def _runs_prefill(self, req: Request) -> bool:
+        return self.kv is not None and req.stop_after != Stage.ENCODE
+
+    def _needs_encode(self, req: Request) -> bool:
+        if self.mm is not None:
+            self._acquire_cached(req)
+        return bool(req.pending_mm())
+
+    def _chunk_len(self, req: Request) -> int:
+        start = req.num_computed_tokens
+        end = min(req.num_tokens, req.mm_ready_limit(), start + self._tokens_left)
+        return end - start
+
+    def _add_prefill_chunk(self, batch: ScheduledBatch, req: Request, n: int) -> None:
+        batch.chunks.append(Chunk(req, req.num_computed_tokens, req.num_computed_tokens + n))
+        self._tokens_left -= n
+        if req.timings.prefill_start is None:
+            req.timings.prefill_start = time.monotonic()
+        update_status(req, running=True, prefilling=True)
+
+    def _acquire_cached(self, req: Request) -> None:
+        """Attach already-cached embeddings (encoded earlier here, or pulled)."""
+        assert self.mm is not None
+        for i in req.pending_mm():
+            entry = self.mm.acquire(req.mm_items[i].content_hash)
+            if entry is not None:
+                req.mm_entries[i] = entry
+                self.counters.mm_cache_hits += 1
+
+    def _schedule_encodes(self, req: Request, batch: ScheduledBatch) -> None:
+        assert self.mm is not None
+        self._acquire_cached(req)
+        for i in req.pending_mm():
+            if req.mm_entries[i] is not None:
+                continue  # shares an entry allocated earlier in this loop
+            if self._images_left <= 0:
+                return
+            item = req.mm_items[i]
+            if item.content_hash not in req.images:
+                batch.failed.append((req, f"embeddings of image {item.content_hash[:16]} are no longer "
+                                          "cached and the request carries no image to encode"))
+                return
+            if not self.mm.can_allocate(item.length):
+                return  # the MM cache is full of embeddings in use; retry next step
+            req.mm_entries[i] = self.mm.allocate(item.content_hash, item.length)
+            batch.encodes.append((req, i))
+            self._images_left -= 1
+            req.status = RequestStatus.ENCODING
+            # Another item of this request with the same image shares the entry.
+            for j in req.pending_mm():
+                if req.mm_items[j].content_hash == item.content_hash:
+                    req.mm_entries[j] = self.mm.acquire(item.content_hash)
+
+    def _reserve_kv(self, req: Request, num_tokens: int, batch: ScheduledBatch) -> bool:
+        """Make sure `req` has blocks for `num_tokens`, preempting later arrivals if needed.
+        False when it cannot (it may have been preempted itself)."""
+        assert self.kv is not None
+        need = self.kv.blocks_for(num_tokens) - len(req.block_ids)
+        while need > self.kv.num_free:
+            victim = self._pick_victim(req)
+            if victim is None:
+                batch.blocked_on_kv.append(req)
+                return False
+            self._preempt(victim, batch)
+            if victim is req:
+                return False
+        if need > 0:
+            req.block_ids.extend(self.kv.allocate(need))
+        return True
+
+    def _pick_victim(self, req: Request) -> Request | None:
+        for cand in reversed(self.running):  # latest arrival first
+            if cand.recomputable and (cand.block_ids or cand is req):
+                return cand
+        return None
+
+    def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
+        for chunk in [c for c in batch.chunks if c.req is victim]:
+            batch.chunks.remove(chunk)
+            self._tokens_left += chunk.num_tokens
+        self.running.remove(victim)
+        self._free_kv(victim)
+        victim.num_computed_tokens = 0
+        victim.prefill_done = False
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        self.counters.preemptions += 1
+        update_status(victim, running=False)
+
+    def _free_kv(self, req: Request) -> None:
+        if self.kv is not None and req.block_ids:
+            self.kv.free(req.block_ids)
+        req.block_ids = []
+
+
+def update_status(req: Request, *, running: bool, prefilling: bool = False) -> None:
+    """ENCODING while an image of the prompt is not ready (its text prefix may already be
+    prefilling), PREFILLING once all embeddings are ready and a chunk ran."""
+    if req.status in (RequestStatus.FINISHED, RequestStatus.PARKED):
+        return
+    if req.prefill_done:
+        req.status = RequestStatus.DECODING
+    elif req.mm_ready_limit() < req.num_tokens:  # an image still to encode (or pull) blocks it
+        req.status = RequestStatus.ENCODING if running else RequestStatus.WAITING_ENCODE
+    elif running and (prefilling or req.num_computed_tokens > 0):
+        req.status = RequestStatus.PREFILLING
+    else:
+        req.status = RequestStatus.WAITING_PREFILL
