@@ -179,7 +179,8 @@ class Scheduler:
 
     def _schedule_running_encodes(self, batch: ScheduledBatch) -> None:
         for req in self.running:
-            self._schedule_encodes(req, batch)
+            if req.pending_mm():  # a decode-only request (prefilled elsewhere) has none
+                self._schedule_encodes(req, batch)
 
     def _admit_waiting(self, batch: ScheduledBatch) -> None:
         prefill_blocked = False  # FIFO: once one prefill waits for KV, later ones wait too
