@@ -125,7 +125,9 @@ def _validate(
         )
     for i, (q_len, kv_len, table) in enumerate(zip(query_lens, kv_lens, block_tables, strict=True)):
         if q_len < 1 or kv_len < q_len:
-            raise AttentionMetadataError(f"sequence {i}: need 1 <= query_len <= kv_len, got {q_len}, {kv_len}")
+            raise AttentionMetadataError(
+                f"sequence {i}: need 1 <= query_len <= kv_len, got {q_len}, {kv_len}"
+            )
         if len(table) * block_size < kv_len:
             raise AttentionMetadataError(
                 f"sequence {i}: {len(table)} blocks of {block_size} cannot hold {kv_len} tokens"

@@ -63,7 +63,9 @@ class LanguageModel(nn.Module):
         hidden = embeds.to(self.dtype)
         cos, sin = cos_sin(positions.to(self.device), self.inv_freq, self.spec.rope.mrope_section, self.dtype)
         spec = self.spec
-        self.backend.plan(meta, AttentionGeometry(spec.num_heads, spec.num_kv_heads, spec.head_dim, self.dtype))
+        self.backend.plan(
+            meta, AttentionGeometry(spec.num_heads, spec.num_kv_heads, spec.head_dim, self.dtype)
+        )
         for index, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, kv_cache, index, meta, self.backend)
         return self.norm(hidden)

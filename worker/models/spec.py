@@ -210,7 +210,9 @@ def _rope_spec(model_dir: Path, text: Any, uses_mrope: bool, head_dim: int) -> R
 def _eos_ids(model_dir: Path, config: Any) -> tuple[int, ...]:
     ids: list[int] = []
     for source in (config.text_config, config, _generation_config(model_dir)):
-        value = source.get("eos_token_id") if isinstance(source, dict) else getattr(source, "eos_token_id", None)
+        value = (
+            source.get("eos_token_id") if isinstance(source, dict) else getattr(source, "eos_token_id", None)
+        )
         for token in [value] if isinstance(value, int) else (value or []):
             if token not in ids:
                 ids.append(int(token))

@@ -1,0 +1,184 @@
+"""Attention over the paged KV cache: metadata, cache writes, and outputs against dense
+causal attention computed from each sequence's full K/V."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from triptych.worker.attention import (
+    AttentionGeometry,
+    AttentionMetadataError,
+    TorchAttention,
+    build_metadata,
+    select_backend,
+)
+
+HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 16, 2
+
+
+def test_build_metadata_slots_and_padding() -> None:
+    meta = build_metadata([3, 1], [5, 9], [[7, 2, 4], [1, 0, 8, 6, 3]], block_size=2)
+    # seq 0: new tokens at cache positions 2,3,4 -> blocks 2,2,4 (table[1], table[1], table[2])
+    # seq 1: new token at position 8 -> table[4] = 3, offset 0
+    assert meta.slot_mapping.tolist() == [2 * 2 + 0, 2 * 2 + 1, 4 * 2 + 0, 3 * 2 + 0]
+    assert meta.slot_mapping.dtype == torch.int64
+    assert meta.cu_query_lens.tolist() == [0, 3, 4]
+    assert meta.cu_query_lens.dtype == torch.int32
+    assert meta.kv_lens.tolist() == [5, 9]
+    assert meta.block_tables.tolist() == [[7, 2, 4, 0, 0], [1, 0, 8, 6, 3]]
+    assert meta.block_tables.dtype == torch.int32
+    assert (meta.num_seqs, meta.num_tokens, meta.is_decode_only) == (2, 4, False)
+    assert build_metadata([1, 1], [3, 1], [[0, 1], [2]], 2).is_decode_only
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "kv_lens", "tables", "block_size", "message"),
+    [
+        ([2], [1], [[0]], 4, "query_len <= kv_len"),
+        ([0], [3], [[0]], 4, "query_len <= kv_len"),
+        ([2], [9], [[0, 1]], 4, "cannot hold 9 tokens"),
+        ([1, 1], [1], [[0], [1]], 4, "batch size mismatch"),
+        ([1], [1], [[0]], 0, "block_size"),
+    ],
+)
+def test_build_metadata_rejects_inconsistent_batches(
+    query_lens, kv_lens, tables, block_size, message
+) -> None:
+    with pytest.raises(AttentionMetadataError, match=message):
+        build_metadata(query_lens, kv_lens, tables, block_size)
+
+
+def test_select_backend_on_cpu_is_torch() -> None:
+    assert isinstance(select_backend("cpu"), TorchAttention)
+
+
+class _PagedRun:
+    """Sequences growing in a shared paged cache with shuffled (non-contiguous) blocks; keeps
+    each sequence's full K/V and queries so outputs can be checked against dense attention."""
+
+    def __init__(self, block_size: int, num_blocks: int = 256, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.cache = torch.zeros(num_blocks, LAYERS, 2, block_size, KV_HEADS, DIM)
+        self.free = random.Random(seed).sample(range(num_blocks), num_blocks)
+        self.tables: dict[int, list[int]] = {}
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def step(self, work: list[tuple[int, int]], backend: TorchAttention, layer: int = 1) -> torch.Tensor:
+        """Run one step: `work` = [(seq id, new tokens)]. Returns output minus dense reference."""
+        q_parts, k_parts, v_parts, kv_lens = [], [], [], []
+        for seq, n in work:
+            q_parts.append(torch.randn(n, HEADS, DIM, generator=self.gen))
+            k_new = torch.randn(n, KV_HEADS, DIM, generator=self.gen)
+            v_new = torch.randn(n, KV_HEADS, DIM, generator=self.gen)
+            k_parts.append(k_new)
+            v_parts.append(v_new)
+            self.keys[seq] = torch.cat([self.keys.get(seq, torch.empty(0, KV_HEADS, DIM)), k_new])
+            self.values[seq] = torch.cat([self.values.get(seq, torch.empty(0, KV_HEADS, DIM)), v_new])
+            total = self.keys[seq].shape[0]
+            table = self.tables.setdefault(seq, [])
+            while len(table) * self.block_size < total:
+                table.append(self.free.pop())
+            kv_lens.append(total)
+        meta = build_metadata(
+            [n for _, n in work], kv_lens, [self.tables[s] for s, _ in work], self.block_size
+        )
+        backend.plan(meta, AttentionGeometry(HEADS, KV_HEADS, DIM, torch.float32))
+        out = backend.forward(
+            torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), self.cache, layer, meta
+        )
+        ref = torch.cat(
+            [self._dense(q, self.keys[s], self.values[s]) for q, (s, _) in zip(q_parts, work, strict=True)]
+        )
+        return out - ref
+
+    @staticmethod
+    def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n, total = q.shape[0], k.shape[0]
+        k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / DIM**0.5
+        causal = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+        return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 5])
+def test_torch_attention_mixed_prefill_chunks_and_decodes(block_size: int) -> None:
+    run = _PagedRun(block_size)
+    backend = TorchAttention()
+    assert run.step([(0, 7), (1, 20)], backend).abs().max() < 1e-5  # two fresh prefills
+    assert run.step([(0, 1), (1, 9), (2, 3)], backend).abs().max() < 1e-5  # decode + chunk + fresh
+    assert run.step([(2, 1), (0, 1), (1, 1)], backend).abs().max() < 1e-5  # all decodes
+    assert run.step([(1, 1), (2, 18), (0, 1)], backend).abs().max() < 1e-5  # chunk amid decodes
+
+
+def test_torch_attention_batched_decode_of_unequal_lengths() -> None:
+    run = _PagedRun(block_size=4, seed=3)
+    backend = TorchAttention()
+    lengths = [1, 5, 17, 33, 2]
+    for seq, n in enumerate(lengths):
+        run.step([(seq, n)], backend)
+    for _ in range(3):
+        diff = run.step([(seq, 1) for seq in range(len(lengths))], backend)
+        assert diff.abs().max() < 1e-5
+
+
+def test_kv_written_at_slot_mapping_only_in_its_layer() -> None:
+    backend = TorchAttention()
+    cache = torch.zeros(6, LAYERS, 2, 2, KV_HEADS, DIM)
+    meta = build_metadata([3], [3], [[4, 1]], block_size=2)
+    k, v = torch.randn(3, KV_HEADS, DIM), torch.randn(3, KV_HEADS, DIM)
+    backend.plan(meta, AttentionGeometry(HEADS, KV_HEADS, DIM, torch.float32))
+    backend.forward(torch.randn(3, HEADS, DIM), k, v, cache, 1, meta)
+    assert torch.equal(cache[4, 1, 0], k[:2]) and torch.equal(cache[1, 1, 0, 0], k[2])
+    assert torch.equal(cache[4, 1, 1], v[:2]) and torch.equal(cache[1, 1, 1, 0], v[2])
+    assert cache[:, 0].abs().sum() == 0  # the other layer is untouched
+    assert cache[1, 1, :, 1].abs().sum() == 0 and cache[[0, 2, 3, 5]].abs().sum() == 0
+
+
+def test_forward_before_plan_is_an_error() -> None:
+    with pytest.raises(RuntimeError, match="plan"):
+        TorchAttention().forward(
+            torch.zeros(1, HEADS, DIM),
+            torch.zeros(1, KV_HEADS, DIM),
+            torch.zeros(1, KV_HEADS, DIM),
+            torch.zeros(1, LAYERS, 2, 1, KV_HEADS, DIM),
+            0,
+            build_metadata([1], [1], [[0]], 1),
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer needs CUDA")
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_flashinfer_matches_torch_backend(decode_only: bool) -> None:
+    pytest.importorskip("flashinfer")
+    from triptych.worker.attention.flashinfer_backend import FlashInferAttention
+
+    heads, kv_heads, dim, block_size, device = 8, 2, 128, 16, torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    cache = torch.zeros(64, 2, 2, block_size, kv_heads, dim, dtype=torch.float16, device=device)
+    tables = [random.Random(1).sample(range(64), 64)[i * 8 : (i + 1) * 8] for i in range(3)]
+    # Fill earlier context (positions < kv_len - q_len) with random K/V.
+    kv_lens, query_lens = [40, 7, 100], ([1, 1, 1] if decode_only else [13, 7, 1])
+    for table, kv_len in zip(tables, kv_lens, strict=True):
+        for pos in range(kv_len):
+            cache[table[pos // block_size], :, :, pos % block_size] = torch.randn(
+                2, 2, kv_heads, dim, generator=gen
+            ).to(device, torch.float16)
+    meta = build_metadata(query_lens, kv_lens, tables, block_size, device=device)
+    tokens = sum(query_lens)
+    q = torch.randn(tokens, heads, dim, generator=gen).to(device, torch.float16)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(device, torch.float16)
+    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(device, torch.float16)
+    geometry = AttentionGeometry(heads, kv_heads, dim, torch.float16)
+    outs = []
+    for backend in (FlashInferAttention(device), TorchAttention()):
+        backend.plan(meta, geometry)
+        outs.append(backend.forward(q, k, v, cache.clone(), 1, meta).float())
+    assert (outs[0] - outs[1]).abs().max() < 2e-2
