@@ -59,6 +59,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+class _ClientGone(Exception):
+    """The client disconnected before the response was complete."""
+
+
 @dataclass
 class Prompt:
     """A validated, tokenized request ready for the backend."""
@@ -123,8 +127,9 @@ def create_app(config: RouterConfig, backend: Backend, *, processor: Any = None,
 
 class FrontDoor:
     """Pure ASGI middleware for /v1/*: checks the API key before the body is even read
-    (so an unauthenticated client learns nothing about validation), caps the body size,
-    and records every generation request's final status once the response has ended."""
+    (so an unauthenticated client learns nothing about validation), reads the body under
+    the size cap, turns an unexpected exception into a logged 500 in OpenAI's shape, and
+    records every generation request's final status once its response has ended."""
 
     def __init__(self, app: ASGIApp, state: RouterState) -> None:
         self.app = app
@@ -135,15 +140,6 @@ class FrontDoor:
             await self.app(scope, receive, send)
             return
         counted = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS
-        rejection = self._reject(scope)
-        if rejection is not None:
-            if counted:
-                self.state.metrics.request_done(rejection.status_code)
-            await rejection.response()(scope, receive, send)
-            return
-        if not counted:
-            await self.app(scope, _capped(receive, self.state.config.max_request_bytes), send)
-            return
         metrics = self.state.metrics
         started: dict[str, int] = {}
 
@@ -152,30 +148,44 @@ class FrontDoor:
                 started["status"] = message["status"]
             await send(message)
 
-        metrics.in_flight.labels(metrics.model).inc()
+        if counted:
+            metrics.in_flight.labels(metrics.model).inc()
         try:
-            await self.app(scope, _capped(receive, self.state.config.max_request_bytes), send_wrapper)
+            self._authorize(scope)
+            replay = await _read_body(scope, receive, self.state.config.max_request_bytes)
+            await self.app(scope, replay, send_wrapper)
+        except OpenAIError as exc:
+            await _send_error(exc, scope, receive, send_wrapper, started)
+        except _ClientGone:
+            scope[STATUS_KEY] = CLIENT_GONE
         except asyncio.CancelledError:
             scope.setdefault(STATUS_KEY, CLIENT_GONE)
             raise
+        except Exception:
+            log.exception("unhandled error serving %s", scope["path"])
+            err = OpenAIError(500, "internal server error", code="internal_error")
+            await _send_error(err, scope, receive, send_wrapper, started)
         finally:
-            metrics.in_flight.labels(metrics.model).dec()
-            metrics.request_done(scope.get(STATUS_KEY) or started.get("status", 500))
+            if counted:
+                metrics.in_flight.labels(metrics.model).dec()
+                metrics.request_done(scope.get(STATUS_KEY) or started.get("status", 500))
 
-    def _reject(self, scope: Scope) -> OpenAIError | None:
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.state.api_keys:
-            auth = headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if not auth:
-                return OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'",
-                                   code="invalid_api_key")
-            if scheme.lower() != "bearer" or not _key_matches(token.strip(), self.state.api_keys):
-                return OpenAIError(401, "invalid API key", code="invalid_api_key")
-        length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.state.config.max_request_bytes:
-            return _too_large(self.state.config.max_request_bytes)
-        return None
+    def _authorize(self, scope: Scope) -> None:
+        if not self.state.api_keys:
+            return
+        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"authorization"), "")
+        scheme, _, token = auth.partition(" ")
+        if not auth:
+            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if scheme.lower() != "bearer" or not _key_matches(token.strip(), self.state.api_keys):
+            raise OpenAIError(401, "invalid API key", code="invalid_api_key")
+
+
+async def _send_error(err: OpenAIError, scope: Scope, receive: Receive, send: Send,
+                      started: dict[str, int]) -> None:
+    if "status" in started:  # too late for a status: the response is under way
+        return
+    await err.response()(scope, receive, send)
 
 
 def _key_matches(token: str, keys: frozenset[str]) -> bool:
@@ -186,24 +196,31 @@ def _key_matches(token: str, keys: frozenset[str]) -> bool:
     return found
 
 
-def _too_large(limit: int) -> OpenAIError:
-    return OpenAIError(413, f"request body is larger than the {limit} byte limit", code="request_too_large")
-
-
-def _capped(receive: Receive, limit: int) -> Receive:
-    """A receive that fails once the body passes `limit` (bodies sent without Content-Length)."""
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> Receive:
+    """Read the whole body under `limit` (413 past it, Content-Length or not), then hand
+    the app a receive that replays it and afterwards reports the client's disconnect."""
+    too_large = OpenAIError(413, f"request body is larger than the {limit} byte limit", code="request_too_large")
+    declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), b"")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks: list[bytes] = []
     total = 0
-
-    async def wrapped() -> Message:
-        nonlocal total
+    while True:
         message = await receive()
-        if message["type"] == "http.request":
-            total += len(message.get("body", b""))
-            if total > limit:
-                raise _too_large(limit)
-        return message
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        total += len(message.get("body", b""))
+        if total > limit:
+            raise too_large
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
-    return wrapped
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 # --- generation endpoints -----------------------------------------------------------------
@@ -257,7 +274,8 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
     except ValidationError as exc:
         err = exc.errors()[0]
         name = str(err["loc"][0]) if err["loc"] else None
-        if name == "max_tokens" and isinstance(body, ChatCompletionRequest) and body.max_completion_tokens:
+        if name == "max_tokens" and isinstance(body, ChatCompletionRequest) \
+                and body.max_completion_tokens is not None:
             name = "max_completion_tokens"
         raise InvalidRequestError(f"{name}: {err['msg']}", param=name) from None
 
@@ -430,10 +448,6 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
     return StreamingResponse(_stream(job, pump, request.scope, include_usage, continuous),
                              media_type="text/event-stream",
                              headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-class _ClientGone(Exception):
-    pass
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
