@@ -1,0 +1,139 @@
+"""Helpers for serving tests: real local deployments (router + worker processes over
+loopback HTTP and NIXL) and the request set whose outputs are checked against
+transformers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from hf_reference import hf_generate, make_test_image, png_bytes
+from PIL import Image
+
+from triptych.local import LocalDeployment
+from triptych.processor import MultimodalProcessor
+from triptych.topology import parse_topology
+
+PROMPTS = [
+    "Describe the picture.",
+    "What colours do you see here, and which one covers the largest area of the image?",
+    "Hi",
+    "Tell me a story about the things in these pictures, one sentence each, in order.",
+]
+
+
+@dataclass
+class Case:
+    index: int
+    images: list[Image.Image]
+    prompt: str
+    max_tokens: int
+    stream: bool
+    seed_base: int = 0
+    pngs: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pngs = [png_bytes(img) for img in self.images]
+
+    def hf_messages(self) -> list[dict[str, Any]]:
+        content: list[dict[str, Any]] = [{"type": "image"} for _ in self.images]
+        content.append({"type": "text", "text": self.prompt})
+        return [{"role": "user", "content": content}]
+
+    def openai_body(self, model: str) -> dict[str, Any]:
+        content: list[dict[str, Any]] = [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(p).decode()}}
+            for p in self.pngs]
+        content.append({"type": "text", "text": self.prompt})
+        return {"model": model, "messages": [{"role": "user", "content": content}],
+                "max_tokens": self.max_tokens, "temperature": 0, "stream": self.stream,
+                "return_token_ids": True}
+
+
+SIZES = [(56, 56), (84, 56), (56, 112), (112, 84)]
+
+
+def make_cases(n: int = 16, max_tokens: int = 8, seed_base: int = 0) -> list[Case]:
+    """n requests with 0-3 images each (distinct images), varied prompts and sizes."""
+    cases = []
+    for i in range(n):
+        num_images = i % 4
+        images = [make_test_image(seed_base + 100 * i + j, *SIZES[(i + j) % len(SIZES)]) for j in range(num_images)]
+        cases.append(Case(i, images, PROMPTS[i % len(PROMPTS)], max_tokens, stream=i % 2 == 0))
+    return cases
+
+
+def expected_ids(model_dir: Path, case: Case) -> list[int]:
+    return hf_generate(model_dir, case.hf_messages(), case.images, case.max_tokens)
+
+
+def start(model_dir: Path, topology: str, tmp: Path, **kwargs: Any) -> LocalDeployment:
+    dep = LocalDeployment(model=model_dir, topology=parse_topology(topology), transfer_require="nixl",
+                          log_dir=tmp / f"logs-{topology}", startup_timeout_s=240, **kwargs)
+    return dep.start()
+
+
+async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One chat completion; returns {"text", "token_ids", "finish_reason", "error"} for both modes."""
+    if not body.get("stream"):
+        r = await client.post(f"{url}/v1/chat/completions", json=body)
+        data = r.json()
+        if r.status_code != 200:
+            return {"status": r.status_code, "error": data.get("error")}
+        choice = data["choices"][0]
+        return {"status": 200, "text": choice["message"]["content"], "token_ids": choice.get("token_ids"),
+                "finish_reason": choice["finish_reason"], "usage": data["usage"]}
+    text, ids, finish, error = "", [], None, None
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            return {"status": r.status_code, "error": json.loads(await r.aread()).get("error")}
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    for line in lines[:-1]:
+        chunk = json.loads(line[len("data: "):])
+        if "error" in chunk:
+            error = chunk["error"]
+            continue
+        for choice in chunk.get("choices", []):
+            text += choice.get("delta", {}).get("content") or ""
+            ids += choice.get("token_ids") or []
+            finish = choice.get("finish_reason") or finish
+    return {"status": 200, "text": text, "token_ids": ids, "finish_reason": finish, "error": error}
+
+
+async def run_all(url: str, bodies: list[dict[str, Any]], timeout_s: float = 180.0) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        return await asyncio.gather(*(chat(client, url, b) for b in bodies))
+
+
+def stats(dep: LocalDeployment) -> dict[str, dict[str, Any]]:
+    return {w.name: httpx.get(f"{w.url}/admin/stats", timeout=10).json() for w in dep.workers}
+
+
+def expected_transfer_bytes(model_dir: Path, cases: list[Case], worker_stats: dict[str, dict[str, Any]],
+                            ) -> tuple[int, int]:
+    """(MM bytes, KV bytes) that E->P and P->D pulls must have moved for these requests:
+    blocks moved times the block size, from the checkpoint's shapes and the caches' layout."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config", config)
+    hidden, layers = text["hidden_size"], text["num_hidden_layers"]
+    heads, kv_heads = text["num_attention_heads"], text.get("num_key_value_heads", text["num_attention_heads"])
+    head_dim = text.get("head_dim") or hidden // heads
+    any_kv = next(s["kv_cache"] for s in worker_stats.values() if "kv_cache" in s)
+    any_mm = next(s["mm_cache"] for s in worker_stats.values() if "mm_cache" in s)
+    block_size, rows = any_kv["block_size"], any_mm["rows_per_block"]
+    kv_block = layers * 2 * block_size * kv_heads * head_dim * 4
+    mm_block = rows * hidden * 4
+    proc = MultimodalProcessor.from_pretrained(model_dir)
+    mm_bytes = kv_bytes = 0
+    for case in cases:
+        prompt = proc.process(case.hf_messages(), case.images)
+        kv_bytes += math.ceil(len(prompt.token_ids) / block_size) * kv_block
+        mm_bytes += sum(math.ceil(item.length / rows) * mm_block for item in prompt.mm_items)
+    return mm_bytes, kv_bytes
