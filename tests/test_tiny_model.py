@@ -117,12 +117,12 @@ def test_unknown_family_and_size(tmp_path: Path) -> None:
 
 
 def test_tiny_model_path_concurrent_builders(tmp_path: Path) -> None:
-    """Three processes race to build the same checkpoint: one build, all see a complete dir."""
+    """Two processes race to build the same checkpoint: both see the same complete dir."""
     code = ("import sys; from triptych.tiny_model import tiny_model_path; "
             "print(tiny_model_path('qwen2.5-vl', seed=7))")
     env = {**os.environ, "TRIPTYCH_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
-             for _ in range(3)]
+             for _ in range(2)]
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert len(set(outs)) == 1

@@ -86,6 +86,8 @@ class MMItem:
 class ProcessedPrompt:
     token_ids: list[int]
     mm_items: list[MMItem] = field(default_factory=list)
+    # The decoded images, aligned with mm_items (what the encode stage needs).
+    images: list[ImageInput] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -458,7 +460,7 @@ class MultimodalProcessor:
             out.extend([self.image_token_id] * length)
             start = pos + 1
         out.extend(ids[start:])
-        return ProcessedPrompt(token_ids=out, mm_items=items)
+        return ProcessedPrompt(token_ids=out, mm_items=items, images=list(images))
 
     def num_image_tokens(self, width: int, height: int) -> int:
         return self.vision.num_tokens(width, height)

@@ -37,7 +37,7 @@ SIZES = ("tiny", "small")
 
 # Bump when the layout or the weights of the generated checkpoints change: cached
 # builds under $TRIPTYCH_CACHE are keyed by it, so stale ones are never reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MARKER = "triptych_tiny.json"  # written last: its presence means the build completed
 
 # --- chat templates (verbatim from the released checkpoints) -------------------------
@@ -310,6 +310,7 @@ def _save_processor(family: str, dims: Dims, tok: Any, out: Path) -> None:
         ).save_pretrained(out)
         (out / "chat_template.jinja").write_text(QWEN2_VL_CHAT_TEMPLATE)
     _fix_preprocessor_config(out / "preprocessor_config.json", family, dims)
+    _fix_tokenizer_config(out / "tokenizer_config.json", family)
 
 
 def _fix_preprocessor_config(path: Path, family: str, dims: Dims) -> None:
@@ -325,6 +326,15 @@ def _fix_preprocessor_config(path: Path, family: str, dims: Dims) -> None:
         cfg["min_pixels"] = dims.qwen_min_pixels
         cfg["max_pixels"] = dims.qwen_max_pixels
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+
+def _fix_tokenizer_config(path: Path, family: str) -> None:
+    """As released: the generic fast tokenizer class name (older readers know it, transformers
+    5 maps it to its tokenizers backend) and the chat template inline as well."""
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = LLAVA_CHAT_TEMPLATE if family == "llava" else QWEN2_VL_CHAT_TEMPLATE
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
 # --- weights --------------------------------------------------------------------------
