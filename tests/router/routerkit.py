@@ -51,8 +51,10 @@ class ScriptedBackend:
                 yield event
             self.finished.append(req.request_id)
         except asyncio.CancelledError:
+            # An abort awaits (HTTP calls to the workers): recorded only once that await
+            # completed, so the tests also check cleanup is not cut short by re-cancellation.
+            await asyncio.sleep(0.02)
             self.cancelled.append(req.request_id)
-            await asyncio.sleep(0)  # cleanup that awaits must still run (the pump's promise)
             raise
         except GeneratorExit:
             self.closed.append(req.request_id)
