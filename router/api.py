@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from triptych import __version__
+from triptych.processor import ImageInput, ImageTooLargeError, MultimodalProcessor, ProcessorError
 from triptych.router.backend import Backend, BackendError, GenerationRequest
 from triptych.router.config import RouterConfig, read_placeholder_ids
 from triptych.router.errors import InvalidRequestError, OpenAIError, from_backend, install_error_handlers
@@ -76,7 +77,7 @@ class Prompt:
 class RouterState:
     config: RouterConfig
     backend: Backend
-    processor: Any
+    processor: MultimodalProcessor
     metrics: FrontendMetrics
     images: ImageLoader
     api_keys: frozenset[str]
@@ -92,14 +93,12 @@ class RouterState:
         return self.processor.detokenizer(skip_special_tokens=skip_special_tokens)
 
 
-def create_app(config: RouterConfig, backend: Backend, *, processor: Any = None,
+def create_app(config: RouterConfig, backend: Backend, *, processor: MultimodalProcessor | None = None,
                registry: CollectorRegistry | None = None) -> FastAPI:
     """The router's FastAPI app. `processor` defaults to the checkpoint's
     MultimodalProcessor; `registry` lets the caller add its own collectors to /metrics."""
     if processor is None:
-        from triptych.processor import MultimodalProcessor
-
-        processor = MultimodalProcessor.from_pretrained(config.model)
+        processor = MultimodalProcessor.from_pretrained(config.model, max_image_pixels=config.max_image_pixels)
     state = RouterState(
         config=config, backend=backend, processor=processor,
         metrics=FrontendMetrics(config.model_name, config.ttft_slo_s, config.tbt_slo_s,
@@ -343,8 +342,6 @@ def _process(state: RouterState, messages: list[dict[str, Any]], refs: list[Imag
              blobs: list[bytes]) -> Any:
     """Decode the images (pixel limit checked before decoding) and apply the template.
     Runs in a worker thread: both are CPU work that must not stall the event loop."""
-    from triptych.processor import ImageInput, ImageTooLargeError, ProcessorError
-
     images = []
     for ref, blob in zip(refs, blobs, strict=True):
         try:
