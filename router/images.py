@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from urllib.parse import urljoin
 
 import httpx
+
 from triptych.router.config import RouterConfig
 from triptych.router.errors import InvalidRequestError
 
