@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
+from triptych import processor
 from triptych.sampling_params import SamplingParams
 from triptych.topology import Stage
 
@@ -68,8 +69,12 @@ class PromptTooLongError(InvalidRequestError):
     pass
 
 
-class EngineImageError(InvalidRequestError):
-    """An image that cannot be decoded, or one over the configured pixel limit."""
+class InvalidImageError(InvalidRequestError, processor.InvalidImageError):
+    """Bytes that are not a (complete) image."""
+
+
+class ImageTooLargeError(InvalidRequestError, processor.ImageTooLargeError):
+    """An image over the configured pixel limit."""
 
 
 class MissingEmbeddingError(InvalidRequestError):
@@ -180,11 +185,11 @@ class Request:
     rope_delta: int = field(default=0, init=False)
     recomputable: bool = field(default=True, init=False)
     num_preemptions: int = field(default=0, init=False)
-    # detokenizer and stop-string state (see engine._postprocess)
+    # detokenizer and stop-string state (see engine._append_token)
     text: str = field(default="", init=False)
     sent_text_len: int = field(default=0, init=False)
     sent_token_len: int = field(default=0, init=False)
-    detok: Any = field(default=None, init=False)
+    detok: processor.IncrementalDetokenizer | None = field(default=None, init=False)
     logprobs: list[dict[str, Any]] = field(default_factory=list, init=False)
     sent_logprobs_len: int = field(default=0, init=False)
 
