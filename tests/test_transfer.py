@@ -191,7 +191,7 @@ def test_hung_then_dead_peer_fails_within_timeout(target: TransferEngine) -> Non
             started = time.monotonic()
             with pytest.raises(TransferTimeoutError):
                 target.pull(handle, "mm", [0, 1], timeout_s=1.0)
-            assert time.monotonic() - started < 3
+            assert time.monotonic() - started < 1.0 + 3
             assert sample("triptych_worker_transfer_failures_total", **labels) == timeouts_before + 1
         finally:
             os.kill(victim.pid, signal.SIGKILL)
@@ -200,7 +200,7 @@ def test_hung_then_dead_peer_fails_within_timeout(target: TransferEngine) -> Non
         started = time.monotonic()
         with pytest.raises(TransferError):
             target.pull(handle, "mm", [0, 1], timeout_s=1.0)
-        assert time.monotonic() - started < 3
+        assert time.monotonic() - started < 1.0 + 3
 
         # A target that never met the (now dead) source cannot even connect.
         with TransferEngine("fresh", require="nixl") as fresh:
@@ -208,7 +208,7 @@ def test_hung_then_dead_peer_fails_within_timeout(target: TransferEngine) -> Non
             started = time.monotonic()
             with pytest.raises(PeerUnreachableError):
                 fresh.pull(handle, "mm", [0, 1], timeout_s=1.0)
-            assert time.monotonic() - started < 3
+            assert time.monotonic() - started < 1.0 + 3
 
 
 def test_require_nixl_refuses_a_missing_backend() -> None:

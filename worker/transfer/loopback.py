@@ -114,7 +114,9 @@ def _peer_main(conn: Connection, regions: dict[str, RegionSpec], name: str, requ
 
 
 async def _serve(conn: Connection, regions: dict[str, RegionSpec], name: str, require: str, plugin: str) -> None:
-    from triptych.worker.transfer.migration import LEASE_EXPIRED, LeaseTable, run_lease_pump
+    from prometheus_client import REGISTRY
+
+    from triptych.worker.transfer.migration import LeaseTable, run_lease_pump
     from triptych.worker.transfer.nixl import TransferEngine
 
     try:
@@ -137,7 +139,8 @@ async def _serve(conn: Connection, regions: dict[str, RegionSpec], name: str, re
         "offer": offer,
         "released": lambda: list(released),
         "outstanding": table.outstanding,
-        "expired_total": lambda region: LEASE_EXPIRED.labels(region=region)._value.get(),
+        "expired_total": lambda region: REGISTRY.get_sample_value(
+            "triptych_worker_lease_expired_total", {"region": region}) or 0.0,
     }
     pump = asyncio.create_task(run_lease_pump(engine, table, interval_s=0.002))
     conn.send({"ok": {"transport": engine.transport, "agent_name": engine.agent_name}})
