@@ -596,6 +596,8 @@ def _add_service_routes(app: FastAPI, state: RouterState) -> None:
     async def health() -> JSONResponse:
         try:
             report = await asyncio.wait_for(state.backend.health(), state.config.health_timeout_s)
+            if not isinstance(report, dict):
+                raise TypeError(f"backend.health() returned {type(report).__name__}, not a dict")
         except Exception as exc:  # a health probe must answer, whatever the backend does
             report = {"status": "unavailable", "error": f"{type(exc).__name__}: {exc}"}
         return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)

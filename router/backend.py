@@ -4,11 +4,14 @@ The HTTP layer (api.py) validates and tokenizes a request, then hands a
 `GenerationRequest` to a `Backend` and relays the `TokenEvent`s it yields. The
 orchestrator implements `Backend`; tests implement it with scripted tokens.
 
-Cancellation contract: when the client goes away (or the router has seen a stop string),
-the HTTP layer stops consuming and either cancels the task awaiting the iterator's
-`__anext__` (CancelledError inside the generator) or calls `aclose()` on it
-(GeneratorExit). Either way the generator's `finally` runs; that is where a backend
-aborts the request on every stage and frees its blocks.
+Cancellation contract: when the client goes away (or the router has seen a stop string
+or max_tokens), the HTTP layer cancels the task that iterates the backend's generator,
+once: the generator sees one CancelledError at the await it is suspended in (asyncio's
+edge-triggered kind, not anyio's repeating one), so awaits in its cleanup work. The
+HTTP layer waits for that cleanup up to `RouterConfig.abort_timeout_s`. A generator
+that was never started is just dropped (so start no work before the first `__anext__`).
+The generator's `finally` / `except CancelledError` is where a backend aborts the
+request on every stage and frees its blocks.
 """
 
 from __future__ import annotations

@@ -251,3 +251,35 @@ async def test_openapi_schema(client) -> None:
     schema = (await client.get("/openapi.json")).json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health"} <= set(schema["paths"])
     assert "ChatCompletionRequest" in schema["components"]["schemas"]
+
+
+async def test_continuous_usage_stats(client, processor) -> None:
+    body = chat_body(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = parse_sse((await client.post(CHAT, json=body)).text)[:-1]
+    completion = [c["usage"]["completion_tokens"] for c in chunks]
+    assert completion == sorted(completion) and completion[-1] == len(processor.encode(REPLY)) + 1
+
+
+async def test_health_with_a_malformed_report_is_503(config, make_client) -> None:
+    backend = ScriptedBackend(script=lambda req: [])
+
+    async def odd() -> list:
+        return ["ok"]
+    backend.health = odd  # type: ignore[method-assign]
+    async with make_client(config, backend) as client:
+        r = await client.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "unavailable"
+
+
+def test_config_from_cli(qwen2_vl_dir, tmp_path) -> None:
+    from triptych.cli import build_parser
+
+    keys = tmp_path / "keys"
+    keys.write_text("k2\n")
+    args = build_parser().parse_args(
+        ["router", "--model", str(qwen2_vl_dir), "--served-model-name", "m", "--api-key", "k1",
+         "--api-key-file", str(keys), "--allow-http-images", "--image-host-allowlist", "a.org", "*.b.org"])
+    cfg = RouterConfig.from_cli(args, ttft_slo_s=1.5)
+    assert cfg.model_name == "m" and cfg.load_api_keys() == {"k1", "k2"}
+    assert cfg.allow_http_images and cfg.image_host_allowlist == ["a.org", "*.b.org"]
+    assert cfg.ttft_slo_s == 1.5
