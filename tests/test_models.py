@@ -353,6 +353,7 @@ def test_lm_only_load_has_no_vision_parameters_or_transformers_modules(family: s
 
     assert not any(isinstance(m, PreTrainedModel) for m in model.language.modules())
     assert all(p.device.type == "cpu" and not p.is_meta for p in model.language.parameters())
+    assert not any(p.requires_grad for p in model.language.parameters())
 
 
 def test_bf16_load_keeps_rope_in_float32() -> None:

@@ -160,6 +160,8 @@ def _load_weights(
                     tensor = tensor.to(dtype)
                 state[name] = _check_shape(tensor, wanted[name], name, model_dir).to(device)
     module.load_state_dict(state, strict=False, assign=True)
+    # Serving never trains: no autograd bookkeeping even outside no_grad/inference_mode.
+    module.requires_grad_(False)
 
 
 def _check_shape(tensor: torch.Tensor, target: torch.Tensor, name: str, model_dir: Path) -> torch.Tensor:

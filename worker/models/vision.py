@@ -74,7 +74,7 @@ class QwenVisionModel(VisionModel):
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return VisionInput(out["pixel_values"], (t, h, w), t * h * w // self.merge**2)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: callers write the outputs into caches in place
     def encode(self, batch: Sequence[VisionInput]) -> list[torch.Tensor]:
         if not batch:
             return []
@@ -118,7 +118,7 @@ class LlavaVisionModel(VisionModel):
         patches = (pixels.shape[-2] // self.patch_size) * (pixels.shape[-1] // self.patch_size)
         return VisionInput(pixels, None, patches + (0 if self.drop_cls else 1))
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: callers write the outputs into caches in place
     def encode(self, batch: Sequence[VisionInput]) -> list[torch.Tensor]:
         results: list[torch.Tensor | None] = [None] * len(batch)
         by_shape: dict[tuple[int, ...], list[int]] = {}
