@@ -1,0 +1,82 @@
+"""Thin kopf handlers: every event becomes a `sync` pass (sync.py) over one MLLMDeployment.
+
+  create / update(spec) / resume   full pass (children + roles + status)
+  timer                            full pass every `timer_interval` (catches missed events)
+  worker pod events                roles + status pass for the pod's deployment
+  delete                           nothing to undo (children carry owner references); the
+                                   handler's finalizer is released once it returns
+
+`register` binds the handlers to a registry so tests can run a fresh operator per test.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import kopf
+
+from triptych.operator import names
+from triptych.operator.apply import KubeApiError
+from triptych.operator.context import OperatorContext
+from triptych.operator.sync import sync
+
+RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf settings every run uses (production and tests)."""
+    prefix = names.GROUP
+    settings.persistence.finalizer = f"{prefix}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=prefix)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=prefix, key="last-handled-configuration")
+    # No CRD/namespace scanning: the CRD is installed before the operator, and without it
+    # the operator needs no RBAC on customresourcedefinitions or namespaces.
+    settings.scanning.disabled = True
+    settings.posting.reporting_component = names.OPERATOR_NAME
+    settings.posting.event_name_prefix = "triptych-"
+
+
+async def _full_pass(ctx: OperatorContext, body: Any) -> None:
+    try:
+        await sync(ctx, body["metadata"]["namespace"], body["metadata"]["name"], apply_children=True)
+    except (KubeApiError, httpx.HTTPError) as e:
+        raise kopf.TemporaryError(f"reconcile failed, retrying: {e}", delay=ctx.config.retry_delay) from e
+
+
+def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> Any:
+        return ctx.connect()
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        await ctx.aclose()
+
+    @kopf.on.resume(*RESOURCE, registry=registry)
+    @kopf.on.create(*RESOURCE, registry=registry)
+    @kopf.on.update(*RESOURCE, field="spec", registry=registry)
+    async def reconcile_deployment(body: kopf.Body, **_: Any) -> None:
+        await _full_pass(ctx, body)
+
+    @kopf.timer(*RESOURCE, interval=ctx.config.timer_interval, initial_delay=ctx.config.timer_interval,
+                registry=registry)
+    async def periodic(body: kopf.Body, **_: Any) -> None:
+        await _full_pass(ctx, body)
+
+    @kopf.on.delete(*RESOURCE, registry=registry)
+    async def deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+        ctx.forget(body["metadata"]["namespace"], body["metadata"]["name"])
+        logger.info("deleted; owner references let the garbage collector remove the children")
+
+    worker_labels = {names.LABEL_DEPLOYMENT: kopf.PRESENT, names.LABEL_COMPONENT: names.COMPONENT_WORKER}
+
+    @kopf.on.event("", "v1", "pods", labels=worker_labels, registry=registry)
+    async def worker_pod_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+        meta = body["metadata"]
+        try:
+            await sync(ctx, meta["namespace"], meta["labels"][names.LABEL_DEPLOYMENT], apply_children=False)
+        except (KubeApiError, httpx.HTTPError) as e:  # the timer retries; a pod event is not replayed
+            logger.warning(f"role pass after pod event failed: {e}")

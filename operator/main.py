@@ -1,0 +1,50 @@
+"""`triptych operator`: run the kopf operator (all namespaces unless --namespace is given).
+
+Credentials come from the in-cluster service account or, outside a cluster, the current
+kubeconfig context (kopf.login_via_client, through the kubernetes client's loader).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import threading
+from typing import Any
+
+import kopf
+
+from triptych.operator.context import OperatorConfig, OperatorContext
+from triptych.operator.handlers import configure, register
+
+logger = logging.getLogger("triptych.operator")
+
+
+def _login() -> Any:
+    settings = kopf.OperatorSettings()
+    info = kopf.login_via_client(logger=logger, settings=settings)
+    if info is None:
+        raise kopf.LoginError("the kubernetes client package is not installed")
+    return info
+
+
+async def run(ctx: OperatorContext, *, namespaces: list[str], standalone: bool,
+              settings: kopf.OperatorSettings | None = None, stop_flag: threading.Event | None = None,
+              ready_flag: threading.Event | None = None) -> None:
+    """Run the operator until stopped (a signal in production, `stop_flag` in tests)."""
+    registry = kopf.OperatorRegistry()
+    register(registry, ctx)
+    settings = settings or kopf.OperatorSettings()
+    configure(settings)
+    await kopf.operator(registry=registry, settings=settings, standalone=standalone,
+                        clusterwide=not namespaces, namespaces=namespaces,
+                        stop_flag=stop_flag, ready_flag=ready_flag, memo=kopf.Memo())
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = OperatorConfig(operator_namespace=os.environ.get("POD_NAMESPACE"))
+    ctx = OperatorContext(connect=_login, config=config)
+    asyncio.run(run(ctx, namespaces=list(args.namespace), standalone=bool(args.standalone)))
+    return 0

@@ -1,0 +1,73 @@
+"""Names shared by the CRD, the reconcile function, the handlers and the router's discovery.
+
+One place for API coordinates, label and annotation keys and child-object names, so the
+operator that writes a label and the router that selects on it cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from triptych.topology import InstanceType
+
+GROUP = "triptych.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "MLLMDeployment"
+PLURAL = "mllmdeployments"
+SINGULAR = "mllmdeployment"
+SHORT_NAMES = ("mllm",)
+
+FIELD_MANAGER = "triptych-operator"
+OPERATOR_NAME = "triptych-operator"
+ROUTER_CLUSTER_ROLE = "triptych-router"
+
+# Pod and object labels (DESIGN.md "Names to keep").
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_DEPLOYMENT = "triptych.dev/deployment"
+LABEL_POOL = "triptych.dev/pool"
+LABEL_ROLE = "triptych.dev/role"
+LABEL_LLMD_ROLE = "llm-d.ai/role"
+
+COMPONENT_WORKER = "worker"
+COMPONENT_ROUTER = "router"
+
+ANNOTATION_SPEC_HASH = "triptych.dev/spec-hash"
+ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+# The value we write on pods chosen for removal; the ReplicaSet controller deletes the
+# lowest cost first, and pods without the annotation count as 0.
+REMOVAL_DELETION_COST = "-1000"
+
+# llm-d names prefill/decode/both; it has no encode stage, so E, EP, ED and EPD pods
+# carry no llm-d label rather than a misleading one.
+LLMD_ROLES: dict[InstanceType, str] = {
+    InstanceType.P: "prefill",
+    InstanceType.D: "decode",
+    InstanceType.PD: "both",
+}
+
+DEFAULT_IMAGE = "ghcr.io/triptych/worker:0.1.0"
+WORKER_PORT = 8100
+ROUTER_PORT = 8000
+MODEL_MOUNT = "/models"
+CONFIG_MOUNT = "/etc/triptych/config"
+CONFIG_FILE = "serving.json"
+SECRETS_MOUNT = "/etc/triptych/secrets"
+
+
+def worker_deployment_name(deployment: str, pool: str) -> str:
+    return f"{deployment}-{pool}"
+
+
+def router_name(deployment: str) -> str:
+    return f"{deployment}-router"
+
+
+def workers_service_name(deployment: str) -> str:
+    return f"{deployment}-workers"
+
+
+def config_map_name(deployment: str) -> str:
+    return f"{deployment}-config"

@@ -1,0 +1,203 @@
+"""One reconcile pass over an MLLMDeployment: the I/O around the pure functions.
+
+Order matters:
+  1. validate the spec (invalid: status InvalidSpec + Event, nothing else is touched);
+  2. plan roles per pool from the live pods (roles.plan_pool);
+  3. mark pods to remove with a low deletion cost - before the replica count drops;
+  4. apply changed child objects (server-side apply), prune children no longer desired;
+  5. switch roles: worker admin endpoint first, then the pod's role labels;
+  6. write the status if it changed (merge patch on the status subresource).
+Every write is skipped when the object already says what we would write, so a pass over a
+settled deployment (e.g. after an operator restart) makes no writes at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from triptych.operator import names
+from triptych.operator.api import InvalidSpecError, parse_spec
+from triptych.operator.apply import CHILD_KINDS, DEPLOYMENT, MLLM, POD, PRUNABLE, SERVICE_MONITOR
+from triptych.operator.context import OperatorContext
+from triptych.operator.reconcile import Desired, Owner, reconcile
+from triptych.operator.roles import PoolPlan, RoleChange, WorkerPod, plan_pool, role_labels
+from triptych.operator.status import Observation, compute_status, merge_patch, transition
+from triptych.operator.workers import RoleSwitchError
+from triptych.topology import InstanceType
+
+logger = logging.getLogger(__name__)
+Obj = dict[str, Any]
+
+
+async def sync(ctx: OperatorContext, namespace: str, name: str, *, apply_children: bool) -> None:
+    """One pass over the deployment `namespace/name`, read fresh under its lock (a handler's
+    body may predate this process's own last status write)."""
+    pass_kind = "full" if apply_children else "roles"
+    queued = ctx.queued_passes(namespace, name)
+    if pass_kind in queued or "full" in queued:
+        return  # a pass that has not started yet reads the state after this event anyway
+    queued.add(pass_kind)
+    async with ctx.lock(namespace, name):
+        queued.discard(pass_kind)
+        body = await ctx.kube.get(MLLM, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return  # owner references let the garbage collector remove the children
+        await _sync_locked(ctx, body, apply_children=apply_children)
+
+
+async def _sync_locked(ctx: OperatorContext, body: Mapping[str, Any], *, apply_children: bool) -> None:
+    meta = body["metadata"]
+    namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
+    try:
+        spec = parse_spec(body.get("spec"), name=name)
+    except InvalidSpecError as e:
+        await _write_status(ctx, body, Observation(generation, invalid=tuple(e.problems)))
+        return
+    owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
+    desired = reconcile(owner, spec, await ctx.facts())
+
+    raw_pods = await ctx.kube.list(POD, namespace, {names.LABEL_DEPLOYMENT: name,
+                                                    names.LABEL_COMPONENT: names.COMPONENT_WORKER})
+    pods = {pool: [worker_pod(p) for p in raw_pods if _pool_of(p) == pool] for pool in desired.pool_counts}
+    plans = {pool: plan_pool(desired.pool_counts[pool], pods[pool]) for pool in desired.pool_counts}
+
+    await _mark_removals(ctx, body, plans)
+    if apply_children:
+        await _apply_children(ctx, body, owner, desired)
+    done, failures = await _change_roles(ctx, body, plans, {p["metadata"]["name"]: p for p in raw_pods})
+
+    current = {pool: [_with_role(p, done.get(p.name)) for p in pool_pods] for pool, pool_pods in pods.items()}
+    routers = await ctx.kube.list(DEPLOYMENT, namespace, {names.LABEL_DEPLOYMENT: name,
+                                                          names.LABEL_COMPONENT: names.COMPONENT_ROUTER})
+    router_ready = sum((d.get("status") or {}).get("readyReplicas") or 0 for d in routers)
+    observation = Observation(generation, desired.pool_counts, current, router_ready,
+                              plans, tuple(failures))
+    await _write_status(ctx, body, observation)
+
+
+# --- pods ----------------------------------------------------------------------------------
+
+def _pool_of(pod: Mapping[str, Any]) -> str | None:
+    return (pod.get("metadata", {}).get("labels") or {}).get(names.LABEL_POOL)
+
+
+def worker_pod(pod: Mapping[str, Any]) -> WorkerPod:
+    """The planner's view of a pod object."""
+    meta, status = pod.get("metadata", {}), pod.get("status") or {}
+    label = (meta.get("labels") or {}).get(names.LABEL_ROLE)
+    role = InstanceType(label) if label in InstanceType.__members__ else None
+    conditions = status.get("conditions") or []
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    marked = (meta.get("annotations") or {}).get(names.ANNOTATION_DELETION_COST) == names.REMOVAL_DELETION_COST
+    return WorkerPod(name=meta["name"], role=role, ready=ready, ip=status.get("podIP"),
+                     created=meta.get("creationTimestamp") or "", terminating=bool(meta.get("deletionTimestamp")),
+                     marked=marked)
+
+
+def _with_role(pod: WorkerPod, role: InstanceType | None) -> WorkerPod:
+    if role is None:
+        return pod
+    return WorkerPod(pod.name, role, pod.ready, pod.ip, pod.created, pod.terminating, pod.marked)
+
+
+def _pod_port(pod: Mapping[str, Any]) -> int:
+    for container in (pod.get("spec") or {}).get("containers", []):
+        for port in container.get("ports") or []:
+            if port.get("name") == "http":
+                return int(port["containerPort"])
+    return names.WORKER_PORT
+
+
+async def _mark_removals(ctx: OperatorContext, body: Mapping[str, Any], plans: Mapping[str, PoolPlan]) -> None:
+    namespace = body["metadata"]["namespace"]
+    marked = []
+    for plan in plans.values():
+        for pod in plan.remove:
+            await ctx.kube.patch(POD, namespace, pod, {"metadata": {"annotations": {
+                names.ANNOTATION_DELETION_COST: names.REMOVAL_DELETION_COST}}})
+            marked.append(pod)
+        for pod in plan.unmark:
+            await ctx.kube.patch(POD, namespace, pod, {"metadata": {"annotations": {
+                names.ANNOTATION_DELETION_COST: None}}})
+    if marked:
+        ctx.emit(body, "Normal", "ScaleDown", f"marked for removal: {', '.join(marked)}")
+
+
+async def _change_roles(ctx: OperatorContext, body: Mapping[str, Any], plans: Mapping[str, PoolPlan],
+                        raw_pods: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, InstanceType], list[str]]:
+    changes = [c for plan in plans.values() for c in plan.changes]
+    results = await asyncio.gather(*(_change_role(ctx, body, c, raw_pods[c.pod]) for c in changes))
+    done = {c.pod: c.new for c, error in zip(changes, results, strict=True) if error is None}
+    return done, [e for e in results if e is not None]
+
+
+async def _change_role(ctx: OperatorContext, body: Mapping[str, Any], change: RoleChange,
+                       pod: Mapping[str, Any]) -> str | None:
+    """Switch one worker, then relabel its pod; returns an error message or None."""
+    namespace = body["metadata"]["namespace"]
+    old = change.old.value if change.old else "unassigned"
+    try:
+        await ctx.workers.set_role(pod["status"]["podIP"], _pod_port(pod), change.new)
+    except RoleSwitchError as e:
+        message = f"{change.pod}: {old} -> {change.new.value} failed: {e}"
+        ctx.emit(body, "Warning", "RoleAssignmentFailed", message)
+        return message
+    await ctx.kube.patch(POD, namespace, change.pod, {"metadata": {"labels": role_labels(change.new)}})
+    ctx.emit(body, "Normal", "RoleAssigned", f"{change.pod}: {old} -> {change.new.value}")
+    return None
+
+
+# --- children ------------------------------------------------------------------------------
+
+def _hash(obj: Mapping[str, Any]) -> str | None:
+    return (obj.get("metadata", {}).get("annotations") or {}).get(names.ANNOTATION_SPEC_HASH)
+
+
+def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+async def _apply_children(ctx: OperatorContext, body: Mapping[str, Any], owner: Owner, desired: Desired) -> None:
+    facts = await ctx.facts()
+    applied, pruned = [], []
+    for kind in CHILD_KINDS:
+        if kind is SERVICE_MONITOR and not facts.service_monitor_crd:
+            continue
+        want = desired.by_kind(kind.kind)
+        have = {o["metadata"]["name"]: o
+                for o in await ctx.kube.list(kind, owner.namespace, {names.LABEL_DEPLOYMENT: owner.name})}
+        for name, obj in want.items():
+            if name not in have or _hash(have[name]) != _hash(obj):
+                await ctx.kube.apply(obj)
+                applied.append(f"{kind.kind} {name}")
+        if kind.kind in PRUNABLE:
+            for name, obj in have.items():
+                if name not in want and _owned_by(obj, owner.uid):
+                    await ctx.kube.delete(kind, owner.namespace, name)
+                    pruned.append(f"{kind.kind} {name}")
+    if applied:
+        ctx.emit(body, "Normal", "Applied", ", ".join(applied))
+    if pruned:
+        ctx.emit(body, "Normal", "Pruned", ", ".join(pruned))
+
+
+# --- status --------------------------------------------------------------------------------
+
+async def _write_status(ctx: OperatorContext, body: Mapping[str, Any], observation: Observation) -> None:
+    meta = body["metadata"]
+    old = body.get("status") or {}
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    new = compute_status(observation, old, now)
+    patch = merge_patch(old, new)
+    if not patch:
+        return
+    await ctx.kube.patch(MLLM, meta["namespace"], meta["name"], {"status": patch}, subresource="status")
+    ready = transition(old, new, "Ready")
+    if ready is not None and ready["reason"] == "InvalidSpec":
+        ctx.emit(body, "Warning", "InvalidSpec", ready["message"])
+    elif ready is not None and ready["status"] == "True":
+        ctx.emit(body, "Normal", "Ready", ready["message"])
