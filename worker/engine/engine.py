@@ -106,12 +106,12 @@ class Engine:
         self.eos_ids = frozenset(self.spec.eos_token_ids)
         self.kv = self._make_kv_cache() if self.language is not None else None
         self.mm = self._make_mm_cache() if self.role.runs(Stage.ENCODE) or self.role.runs(Stage.PREFILL) else None
-        budgets = self._budgets()
-        self.scheduler = Scheduler(SchedulerConfig(budgets[0], budgets[1], config.max_num_seqs), self.kv, self.mm)
         self._requests: dict[str, Request] = {}
         self._known_ids: set[str] = set()  # added and not finished (inbox included)
         self._inbox: deque[tuple[str, Any]] = deque()
         self._lock = threading.RLock()  # guards caches and queues against reserve_* callers
+        budgets = self._budgets()
+        self.scheduler = Scheduler(SchedulerConfig(budgets[0], budgets[1], config.max_num_seqs), self.kv, self.mm)
         # asyncio driver
         self._sinks: dict[str, Any] = {}
         self._wakeup = threading.Event()
@@ -405,6 +405,7 @@ class Engine:
                 seen: dict[str, MMEntry] = {e.content_hash: e for e in req.mm_entries if e is not None}
                 handoff = Handoff(Stage.ENCODE, mm=[(h, list(e.block_ids), e.num_rows) for h, e in seen.items()])
                 self.scheduler.park(req)
+                req.handoff = handoff
                 req.timings.encode_end = req.timings.encode_end or time.monotonic()
                 outputs.append(self._output(req, [], finished=True, handoff=handoff))
 
@@ -548,6 +549,7 @@ class Engine:
             handoff = Handoff(Stage.PREFILL, kv_block_ids=list(req.block_ids),
                               num_kv_tokens=req.num_computed_tokens, first_token=token)
             self.scheduler.park(req)
+            req.handoff = handoff
             return self._output(req, finished=True, handoff=handoff)
         return self._output(req)
 

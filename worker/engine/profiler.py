@@ -10,6 +10,7 @@ whose measured step time stays under that limit.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,12 +20,14 @@ from triptych.topology import InstanceType, Stage
 if TYPE_CHECKING:
     from triptych.worker.engine.engine import Engine
 
+log = logging.getLogger(__name__)
+
 ALPHA = 0.5
 TTFT_TYPES = frozenset({InstanceType.E, InstanceType.EP, InstanceType.P})
 
 
 class ProfilingError(ValueError):
-    """The SLO needed for this instance type is missing, or not even the smallest batch fits."""
+    """The SLO this instance type derives its budgets from is missing."""
 
 
 @dataclass(frozen=True)
@@ -71,10 +74,12 @@ def profile_budgets(engine: Engine, *, ttft_slo_s: float | None, tbt_slo_s: floa
         hi = min(max_token_budget, engine.kv.num_blocks * engine.kv.block_size, engine.max_model_len)
         tokens = search_budget(engine.measure_prefill, limit, 1, hi)
         if tokens < 1:
-            raise ProfilingError(f"one token of prefill takes longer than the step limit {limit:.4f} s")
+            log.warning("one token of prefill takes longer than the step limit %.4f s: the SLO cannot be "
+                        "met here; running with a token budget of 1", limit)
     if engine.vision is not None and engine.role.runs(Stage.ENCODE):
         images = search_budget(lambda n: engine.measure_encode(n, image_size), limit, 1, max_image_budget)
         if images < 1:
-            raise ProfilingError(f"encoding one {image_size[0]}x{image_size[1]} image takes longer than the "
-                                 f"step limit {limit:.4f} s")
-    return Budgets(tokens, images, limit)
+            log.warning("encoding one %dx%d image takes longer than the step limit %.4f s: the SLO cannot be "
+                        "met here; running with an image budget of 1", *image_size, limit)
+    # The engine must make progress even when the SLO is out of reach.
+    return Budgets(None if tokens is None else max(1, tokens), None if images is None else max(1, images), limit)

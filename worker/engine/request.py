@@ -184,6 +184,7 @@ class Request:
     positions: torch.Tensor | None = field(default=None, init=False)  # prompt positions
     rope_delta: int = field(default=0, init=False)
     recomputable: bool = field(default=True, init=False)
+    handoff: Handoff | None = field(default=None, init=False)  # set when PARKED
     num_preemptions: int = field(default=0, init=False)
     # detokenizer and stop-string state (see engine._append_token)
     text: str = field(default="", init=False)
