@@ -518,3 +518,74 @@ def test_read_spec_missing_config_and_weights(tmp_path: Path) -> None:
     shutil.copy(tiny_dir("llava") / "config.json", tmp_path / "config.json")
     with pytest.raises(UnsupportedCheckpointError, match="no .*safetensors"):
         load_model(tmp_path, vision=False, language=True)
+
+
+@pytest.mark.parametrize("qwen", ["qwen2-vl", "qwen2.5-vl"])
+def test_qwen_video_input_layout(qwen: str) -> None:
+    model = load_model(tiny_dir(qwen), vision=True, language=False)
+    assert model.vision is not None
+    image = make_test_image(8, 84, 56)
+    still = model.vision.preprocess(image)
+    # A still image is a 2-frame clip of itself (the processor broadcasts it over time).
+    as_video = model.vision.preprocess_video([image, image])
+    assert as_video.grid_thw == still.grid_thw and torch.equal(as_video.pixel_values, still.pixel_values)
+    frames = [make_test_image(9 + i, 84, 56) for i in range(3)]
+    video = model.vision.preprocess_video(frames)  # 3 frames -> last one repeated -> t = 2
+    t, h, w = video.grid_thw
+    assert (t, h, w) == (2, *still.grid_thw[1:]) and video.num_tokens == 2 * still.num_tokens
+    # The second temporal group is frame 2 repeated: its rows equal frame 2 as a still image.
+    third = model.vision.preprocess(frames[2]).pixel_values
+    assert torch.equal(video.pixel_values[h * w :], third)
+    out = model.vision.encode([video, still])
+    assert [o.shape[0] for o in out] == [video.num_tokens, still.num_tokens]
+    assert (out[1] - model.vision.encode([still])[0]).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="different grids"):
+        model.vision.preprocess_video([image, make_test_image(1, 200, 60)])
+
+
+def test_llava_with_qwen2_text_backbone_matches_hf(tmp_path: Path) -> None:
+    """LLaVA-style checkpoint whose text_config is Qwen2 (q/k/v biases, tied embeddings)."""
+    import transformers
+
+    base = tiny_dir("llava")
+    config = json.loads((base / "config.json").read_text())
+    text = transformers.Qwen2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e4},
+        tie_word_embeddings=True,
+    )
+    hf_config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**config["vision_config"]),
+        text_config=text,
+        image_token_index=299,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="full",
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlavaForConditionalGeneration(hf_config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(tmp_path)
+    shutil.copy(base / "preprocessor_config.json", tmp_path / "preprocessor_config.json")
+    ours = load_model(tmp_path, vision=True, language=True)
+    assert ours.spec.text_arch == "qwen2" and ours.spec.qkv_bias and ours.spec.tie_word_embeddings
+    assert ours.language is not None and ours.vision is not None
+    assert ours.language.lm_head.weight is ours.language.embed_tokens.weight
+    vision_input = ours.vision.preprocess(make_test_image(4, 70, 50))
+    assert vision_input.num_tokens == 17  # "full": CLS kept
+    ids = torch.tensor([5, 6, 7] + [299] * 17 + [8, 9, 10, 11])
+    with torch.no_grad():
+        embeds = ours.language.embed(ids).clone()
+        embeds[3:20] = ours.vision.encode([vision_input])[0]
+        reference = model(input_ids=ids[None], pixel_values=vision_input.pixel_values[None]).logits[0]
+    positions, _ = prompt_positions(ours.spec, ids.tolist(), [])
+    (logits,) = PagedRunner(ours.language, 4).step([(0, embeds, positions)])
+    assert (logits - reference).abs().max() < ATOL

@@ -49,6 +49,9 @@ class VisionModel(nn.Module):
     def preprocess(self, image: Any) -> VisionInput:
         raise NotImplementedError
 
+    def preprocess_video(self, frames: Sequence[Any]) -> VisionInput:
+        raise NotImplementedError(f"{self.spec.family} does not take video input")
+
     def encode(self, batch: Sequence[VisionInput]) -> list[torch.Tensor]:
         raise NotImplementedError
 
@@ -73,6 +76,32 @@ class QwenVisionModel(VisionModel):
         out = self.processor(images=[image], return_tensors="pt")
         t, h, w = (int(v) for v in out["image_grid_thw"][0])
         return VisionInput(out["pixel_values"], (t, h, w), t * h * w // self.merge**2)
+
+    def preprocess_video(self, frames: Sequence[Any]) -> VisionInput:
+        """Frames (same size, already sampled) -> one video input with grid t = frames / 2.
+
+        Each frame is resized and normalised by the image processor (so frame sizing follows
+        its pixel limits, not those of transformers' torchvision-only video processor); the
+        frames are then grouped `temporal_patch_size` at a time in the layout of
+        transformers' Qwen2VLVideoProcessor.patchify, repeating the last frame to fill the
+        final group. A 2-frame video of one image equals that image's input.
+        """
+        if not frames:
+            raise ValueError("a video needs at least one frame")
+        out = self.processor(images=list(frames), return_tensors="pt")
+        grids = {tuple(int(v) for v in g) for g in out["image_grid_thw"]}
+        if len(grids) != 1:
+            raise ValueError(f"video frames resize to different grids: {sorted(grids)}")
+        _, h, w = grids.pop()
+        temporal = self.visual.config.temporal_patch_size
+        # Per frame: [h*w, C, temporal, P, P] with the frame broadcast over `temporal`.
+        per_frame = out["pixel_values"].view(len(frames), h * w, -1, temporal, self.visual.config.patch_size**2)
+        frames_t = list(per_frame[:, :, :, 0].unbind(0))
+        frames_t += [frames_t[-1]] * (-len(frames_t) % temporal)
+        groups = [torch.stack(frames_t[i : i + temporal], dim=2) for i in range(0, len(frames_t), temporal)]
+        pixels = torch.cat([g.reshape(h * w, -1) for g in groups])
+        t = len(groups)
+        return VisionInput(pixels, (t, h, w), t * h * w // self.merge**2)
 
     @torch.no_grad()  # not inference_mode: callers write the outputs into caches in place
     def encode(self, batch: Sequence[VisionInput]) -> list[torch.Tensor]:
