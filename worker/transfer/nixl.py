@@ -52,6 +52,8 @@ from triptych.worker.transfer.base import (
 
 logger = logging.getLogger(__name__)
 
+_SPIN_S = 5e-4  # busy-poll window before a waiting pull starts to sleep
+
 
 def _describe(exc: BaseException) -> str:
     # NIXL's binding errors carry only the status name (e.g. NIXL_ERR_REMOTE_DISCONNECT).
@@ -148,13 +150,17 @@ class NixlBackend:
                 self._release(xfer)
 
     def _wait(self, xfer: Any, state: str, peer: str, deadline: float) -> None:
-        # Busy-poll briefly (small transfers finish in microseconds), then back off to 1 ms.
+        # Spin first: a few blocks arrive in microseconds, and a sleeping thread on a busy
+        # machine wakes only milliseconds later. Then back off to 1 ms sleeps.
+        spin_until = time.monotonic() + _SPIN_S
         delay = 0.0
         while state == "PROC":
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TransferTimeoutError(f"NIXL READ from {peer!r} did not complete in time; cancelled")
-            time.sleep(delay)
-            delay = min(delay * 2 or 2e-5, 1e-3)
+            if now > spin_until:
+                time.sleep(delay)
+                delay = min(delay * 2 or 5e-5, 1e-3)
             with self._lock:
                 state = self._agent.check_xfer_state(xfer)
         if state != "DONE":
