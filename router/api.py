@@ -56,7 +56,7 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 STATUS_KEY = "triptych.status"  # scope key: the final status of a request (streams end later)
 CLIENT_GONE = 499  # nginx's "client closed request"
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 500, 503, 504)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Role = Literal["system", "developer", "user", "assistant"]
 
@@ -74,6 +74,15 @@ class ResponseFormat(BaseModel):
 
 class _SamplingFields(_Strict):
     """Fields both endpoints share. Ranges are SamplingParams' (a 400 names the field)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Many clients send every field, unset ones as null ("n": null, "stream": null).
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in cls.model_fields or cls.model_fields[k].default is None}
+        return data
 
     model: str
     temperature: float | None = None

@@ -283,3 +283,12 @@ def test_config_from_cli(qwen2_vl_dir, tmp_path) -> None:
     assert cfg.model_name == "m" and cfg.load_api_keys() == {"k1", "k2"}
     assert cfg.allow_http_images and cfg.image_host_allowlist == ["a.org", "*.b.org"]
     assert cfg.ttft_slo_s == 1.5
+
+
+async def test_null_fields_mean_their_defaults(client, backend) -> None:
+    body = chat_body(n=None, stream=None, presence_penalty=None, frequency_penalty=None, temperature=None,
+                     stop=None, logprobs=None, tools=None, skip_special_tokens=None, ignore_eos=None)
+    r = await client.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == REPLY
+    assert backend.requests[0].sampling.temperature == 1.0
