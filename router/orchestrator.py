@@ -15,6 +15,7 @@ import base64
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -56,6 +57,8 @@ class OrchestratorConfig:
     stage_timeout_s: float = 60.0  # longest silence allowed on a stage stream
     max_attempts: int = 3  # tries of the pre-first-token part of a request
     parallel_encode: bool = True  # EPDServe §3.2.2 intra-request parallelism
+    cache_affinity: bool = True  # send an image to the instance whose MM cache holds it
+    affinity_entries: int = 4096  # image hashes remembered (an LRU; a stale entry only costs an encode)
     abort_timeout_s: float = 2.0
 
 
@@ -75,6 +78,7 @@ class Orchestrator:
         self.client = client
         self.chooser = chooser or Chooser()
         self.config = config or OrchestratorConfig()
+        self.affinity = AffinityIndex(self.config.affinity_entries)
 
     # -- Backend protocol -------------------------------------------------------------
     def ready(self) -> bool:
@@ -173,10 +177,13 @@ class Orchestrator:
             picks = spread_images(self.registry, self.chooser, len(hashes), first.instance, excluded)
         else:
             picks = [first.instance] * len(hashes)
+        if self.config.cache_affinity:
+            picks = [self.affinity.holder(h, self.registry, excluded) or p for h, p in zip(hashes, picks, strict=True)]
         keep_local = first.stages != [Stage.ENCODE]
         remote: dict[str, list[str]] = {}
         local: dict[str, str] = {}
         for h, inst in zip(hashes, picks, strict=True):
+            self.affinity.remember(h, inst.url)
             if keep_local and inst is first.instance:
                 local[h] = images[h]
             else:
@@ -243,6 +250,28 @@ class Orchestrator:
                 log.debug("abort of %s on %s failed: %s", request_id, url, exc)
 
         await asyncio.shield(asyncio.gather(*(one(u) for u in urls)))
+
+
+class AffinityIndex:
+    """Which instance last encoded each image (by content hash): its MM cache likely still
+    holds the embedding, so sending the image there again costs a pull, not an encode."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._where: OrderedDict[str, str] = OrderedDict()
+
+    def remember(self, content_hash: str, url: str) -> None:
+        self._where[content_hash] = url
+        self._where.move_to_end(content_hash)
+        while len(self._where) > self.capacity:
+            self._where.popitem(last=False)
+
+    def holder(self, content_hash: str, registry: Registry, excluded: set[str]) -> Instance | None:
+        url = self._where.get(content_hash)
+        if url is None or url in excluded:
+            return None
+        inst = registry.instances.get(url)
+        return inst if inst is not None and inst.can_run(Stage.ENCODE) else None
 
 
 def _parse_event(line: str) -> object:

@@ -62,6 +62,7 @@ class LocalDeployment:
     host: str = "127.0.0.1"
     port: int = 0
     transfer_require: str = "any"
+    extra_roles: list[str] = field(default_factory=list)  # e.g. ["unassigned"], beside the topology
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 180.0
@@ -77,7 +78,7 @@ class LocalDeployment:
         return self.processes[:-1]
 
     def _threads_per_instance(self) -> int:
-        instances = sum(self.topology.values())
+        instances = sum(self.topology.values()) + len(self.extra_roles)
         return max(1, (os.cpu_count() or 1) // instances)
 
     def _spawn(self, name: str, args: list[str], port: int) -> Process:
@@ -92,8 +93,8 @@ class LocalDeployment:
         popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         return Process(name=name, url=f"http://{self.host}:{port}", popen=popen)
 
-    def start_worker(self, kind: InstanceType | str, index: int) -> Process:
-        port = free_port(self.host)
+    def start_worker(self, kind: InstanceType | str, index: int, port: int | None = None) -> Process:
+        port = port or free_port(self.host)
         args = ["worker", "--model", str(self.model), "--role", str(kind), "--host", self.host,
                 "--port", str(port), "--instance-id", f"{kind}-{index}",
                 "--transfer-require", self.transfer_require, *self.worker_args]
@@ -102,6 +103,7 @@ class LocalDeployment:
     def start(self) -> LocalDeployment:
         try:
             workers = [self.start_worker(kind, i) for kind, n in self.topology.items() for i in range(n)]
+            workers += [self.start_worker(role, i) for i, role in enumerate(self.extra_roles)]
             self.processes.extend(workers)
             self._wait_ready(workers)
             port = self.port or free_port(self.host)
@@ -114,6 +116,18 @@ class LocalDeployment:
             self.stop()
             raise
         return self
+
+    def restart_worker(self, proc: Process) -> Process:
+        """Start a fresh process in place of `proc` (same role and port) and wait until ready."""
+        args = proc.popen.args[3:]  # after: python -m triptych.cli
+        if proc.popen.poll() is None:
+            proc.popen.kill()
+            proc.popen.wait(timeout=10)
+        port = int(proc.url.rsplit(":", 1)[1])
+        fresh = self._spawn(proc.name, list(args), port)
+        self.processes[self.processes.index(proc)] = fresh
+        self._wait_ready([fresh])
+        return fresh
 
     def _wait_ready(self, procs: list[Process]) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
