@@ -198,7 +198,7 @@ def test_hung_then_dead_peer_fails_within_timeout(target: TransferEngine) -> Non
         victim._proc.join(5)
 
         started = time.monotonic()
-        with pytest.raises(TransferError):
+        with pytest.raises(PeerUnreachableError, match="DISCONNECT"):
             target.pull(handle, "mm", [0, 1], timeout_s=1.0)
         assert time.monotonic() - started < 1.0 + 3
 

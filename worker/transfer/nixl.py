@@ -101,25 +101,29 @@ class NixlBackend:
             if known == peer_metadata:
                 return
             if known is not None:
-                self._agent.remove_remote_agent(peer)
                 del self._remotes[peer]
+                self._remove_quietly(peer)
             try:
                 loaded = self._agent.add_remote_agent(peer_metadata)
             except Exception as e:
                 raise PeerUnreachableError(f"cannot load metadata of NIXL agent {peer!r}: {_describe(e)}") from e
             name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
             if name != peer:
-                self._agent.remove_remote_agent(name)
+                if name not in self._remotes:
+                    self._remove_quietly(name)
                 raise IncompatibleHandleError(f"metadata is for agent {name!r}, handle names {peer!r}")
             self._remotes[peer] = peer_metadata
+
+    def _remove_quietly(self, peer: str) -> None:
+        try:
+            self._agent.remove_remote_agent(peer)
+        except Exception as e:  # already disconnected: nothing left to remove
+            logger.debug("removing NIXL agent %s: %s", peer, _describe(e))
 
     def _forget(self, peer: str) -> None:
         with self._lock:
             if self._remotes.pop(peer, None) is not None:
-                try:
-                    self._agent.remove_remote_agent(peer)
-                except Exception as e:
-                    logger.debug("removing NIXL agent %s: %s", peer, _describe(e))
+                self._remove_quietly(peer)
 
     def read(self, peer: str, peer_metadata: bytes, segs: list[Segment], remote_mem: MemType,
              remote_device: int, local_mem: MemType, local_device: int, deadline: float) -> None:
@@ -139,10 +143,15 @@ class NixlBackend:
                 )
                 state = self._agent.transfer(xfer)
             self._wait(xfer, state, peer, deadline)
-        except TransferError:
-            raise
+        except TransferTimeoutError:
+            raise  # a slow peer is not a gone peer: keep its connection
         except Exception as e:
+            if xfer is not None:
+                self._release(xfer)
+                xfer = None
             self._forget(peer)  # a disconnected peer must be loaded afresh if it comes back
+            if isinstance(e, TransferError):
+                raise
             cls = PeerUnreachableError if "DISCONNECT" in str(e) else TransferError
             raise cls(f"NIXL READ from {peer!r} failed: {_describe(e)}") from e
         finally:
@@ -164,7 +173,6 @@ class NixlBackend:
             with self._lock:
                 state = self._agent.check_xfer_state(xfer)
         if state != "DONE":
-            self._forget(peer)
             raise TransferError(f"NIXL READ from {peer!r} failed (state {state})")
 
     def _release(self, xfer: Any) -> None:
@@ -204,10 +212,7 @@ class NixlBackend:
         with self._lock:
             self._retry_leaked()
             for peer in list(self._remotes):
-                try:
-                    self._agent.remove_remote_agent(peer)
-                except Exception as e:
-                    logger.debug("removing NIXL agent %s: %s", peer, _describe(e))
+                self._remove_quietly(peer)
             self._remotes.clear()
             for reg in self._registrations:
                 self._agent.deregister_memory(reg, [self._plugin])
