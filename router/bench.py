@@ -19,13 +19,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import math
+import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -483,10 +485,13 @@ class RunConfig:
     sweep_steps: int = 2
     seed: int = 0
     timeout_s: float = 120.0
+    warmup: int = 1  # requests sent one by one first, not counted (connections, first transfers)
 
     def check(self) -> None:
         self.work.check()
         self.slo.check()
+        if self.warmup < 0:
+            raise BenchError(f"--warmup must be >= 0, got {self.warmup}")
         if not self.rates or any(not r > 0 for r in self.rates):
             raise BenchError(f"rates must be > 0, got {self.rates}")
         if self.timeout_s <= 0 or self.sweep_steps < 0:
@@ -504,6 +509,19 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+async def _warm_up(client: httpx.AsyncClient, ends: Endpoints, cfg: RunConfig, model: str) -> None:
+    """A few requests before measuring, so the first rate does not pay for connection set-up
+    and first NIXL transfers. A failure here stops the run: the router cannot serve."""
+    if not cfg.warmup:
+        return
+    work = Workload(**{**asdict(cfg.work), "num_requests": cfg.warmup})
+    for body in await asyncio.to_thread(build_bodies, work, model, cfg.seed - 1):
+        r = await send_request(client, f"{ends.router}/v1/chat/completions", body, cfg.timeout_s, ends.headers)
+        if not r.ok:
+            raise BenchError(f"warm-up request failed: {r.error}")
+    _log(f"warm-up: {cfg.warmup} request(s) ok")
+
+
 async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
                     headers: dict[str, str] | None = None) -> dict[str, Any]:
     """Run every rate of the plan against the router at `url`; the full report."""
@@ -515,6 +533,7 @@ async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
         if not ends.workers:
             _log("warning: no worker URLs (router /health lists none; pass --worker-urls): "
                  "migration figures will be empty")
+        await _warm_up(client, ends, cfg, model)
         plan = cfg.rate_plan()
         reports: list[dict[str, Any]] = []
         all_results: list[RequestResult] = []
@@ -642,12 +661,30 @@ def plot_attainment(series: dict[str, Sequence[tuple[float, float | None]]], pat
     plt.close(fig)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """NIXL logs to fd 1 (here and in the source peer's child process); `--json` must
+    keep stdout to the one JSON object."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def measure_nixl(mib: int, iters: int = 10) -> dict[str, Any]:
     """Raw loopback NIXL READ bandwidth (imports torch and the worker's transfer code)."""
+    if mib < 1 or iters < 1:
+        raise BenchError(f"need --nixl-mib >= 1 and iters >= 1, got {mib}, {iters}")
     try:
-        from triptych.worker.transfer.bandwidth import measure_read_bandwidth
+        with _stdout_to_stderr():
+            from triptych.worker.transfer.bandwidth import measure_read_bandwidth
 
-        bps = measure_read_bandwidth(mib << 20, iters, require="nixl")
+            bps = measure_read_bandwidth(mib << 20, iters, require="nixl")
         return {"nixl_read_gib_s": bps / 2**30, "nixl_read_mib": mib, "nixl_read_iters": iters}
     except Exception as exc:  # report, don't lose the serving figures over it
         return {"nixl_read_gib_s": None, "nixl_read_mib": mib, "nixl_read_error": f"{type(exc).__name__}: {exc}"}
@@ -696,7 +733,7 @@ def _config(args: argparse.Namespace) -> RunConfig:
         slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo, target=getattr(args, "attainment_target", 0.9)),
         rates=list(args.rates), sweep=getattr(args, "sweep", False),
         sweep_max_rate=getattr(args, "sweep_max_rate", 64.0), sweep_steps=getattr(args, "sweep_steps", 2),
-        seed=args.seed, timeout_s=getattr(args, "request_timeout", 120.0))
+        seed=args.seed, timeout_s=getattr(args, "request_timeout", 120.0), warmup=getattr(args, "warmup", 1))
 
 
 def _write_outputs(args: argparse.Namespace, result: dict[str, Any], series: dict[str, Any], text: str,

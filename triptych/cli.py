@@ -77,6 +77,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--sweep-steps", type=int, default=2, help="bisection steps after the first failing rate")
     s.add_argument("--attainment-target", type=float, default=0.9)
     s.add_argument("--request-timeout", type=float, default=120.0)
+    s.add_argument("--warmup", type=int, default=1, help="requests sent first and not counted")
     s.add_argument("--worker-urls", nargs="*", default=[], help="workers to scrape /metrics from")
     s.add_argument("--api-key", default=None)
     s.add_argument("--measure-nixl", action="store_true", help="also measure raw NIXL READ bandwidth")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from triptych.router.bench import (
     BenchError,
     RequestResult,
     Workload,
+    _stdout_to_stderr,
     build_bodies,
     goodput,
     histogram_buckets,
@@ -231,6 +233,16 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     out = tmp_path / "a" / "att.png"
     plot_attainment({"1E1P1D": [(1.0, 1.0), (2.0, 0.5)], "EPD": [(1.0, 0.8)]}, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nixl_logs_cannot_pollute_json_stdout(capfd: pytest.CaptureFixture[str]) -> None:
+    with _stdout_to_stderr():
+        os.write(1, b"native log line\n")
+        subprocess.run([sys.executable, "-c", "print('child log line')"], timeout=60, check=True)
+    os.write(1, b"{}\n")
+    out, err = capfd.readouterr()
+    assert out == "{}\n"
+    assert "native log line" in err and "child log line" in err
 
 
 def test_the_module_imports_no_torch() -> None:
