@@ -29,11 +29,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from triptych import __version__
 from triptych.processor import ImageInput, ImageTooLargeError, MultimodalProcessor, ProcessorError
-from triptych.router.backend import Backend, BackendError, GenerationRequest
+from triptych.router.backend import Backend, GenerationRequest
 from triptych.router.config import RouterConfig, read_placeholder_ids
-from triptych.router.errors import InvalidRequestError, OpenAIError, from_backend, install_error_handlers
+from triptych.router.errors import InvalidRequestError, OpenAIError, install_error_handlers
 from triptych.router.images import ImageLoader, ImageRef
-from triptych.router.metrics import FrontendMetrics, RequestTimer
+from triptych.router.metrics import FrontendMetrics
 from triptych.router.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -47,14 +47,21 @@ from triptych.router.protocol import (
     TextPart,
     VideoPart,
 )
-from triptych.router.streaming import DONE, Detokenizer, EventPump, OutputText, sse
+from triptych.router.streaming import (
+    CLIENT_GONE,
+    STATUS_KEY,
+    Detokenizer,
+    EventPump,
+    Job,
+    OutputText,
+    collect,
+    sse_body,
+)
 from triptych.sampling_params import SamplingParams
 
 log = logging.getLogger("triptych.router.api")
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-STATUS_KEY = "triptych.status"  # scope key: the final status of a request (streams end later)
-CLIENT_GONE = 499  # nginx's "client closed request"
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)
 }
@@ -397,27 +404,12 @@ def _completion_prompt(state: RouterState, prompt: str | list[str] | list[int] |
 # --- running a request -------------------------------------------------------------------
 
 
-@dataclass
-class _Job:
-    state: RouterState
-    request_id: str
-    chat: bool
-    prompt_len: int
-    max_tokens: int
-    output: OutputText
-    timer: RequestTimer
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def model(self) -> str:
-        return self.state.model_name
-
-
 async def _generate(state: RouterState, request: Request, body: ChatCompletionRequest | CompletionRequest,
                     prompt: Prompt, sampling: SamplingParams, chat: bool) -> Response:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    job = _Job(state, request_id, chat, len(prompt.token_ids), sampling.max_tokens,
-               OutputText(state.detokenizer(body.skip_special_tokens), sampling.stop), RequestTimer())
+    job = Job(request_id=request_id, model=state.model_name, chat=chat, prompt_len=len(prompt.token_ids),
+              max_tokens=sampling.max_tokens, metrics=state.metrics,
+              output=OutputText(state.detokenizer(body.skip_special_tokens), sampling.stop))
     gen = GenerationRequest(request_id=request_id, prompt_token_ids=prompt.token_ids,
                             mm_items=prompt.mm_items, images=prompt.images, sampling=sampling,
                             model=state.model_name)
@@ -428,7 +420,7 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
     headers = {"X-Request-Id": request_id}
     try:
         if not body.stream:
-            result = await _until_disconnect(request, _collect(job, pump))
+            result = await _until_disconnect(request, collect(job, pump))
             return JSONResponse(result, headers=headers)
         # Wait for the first event before sending headers: a failure before the first
         # token (no instance, overload) is then a real HTTP status with Retry-After.
@@ -442,7 +434,7 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
     options = body.stream_options
     include_usage = bool(options and options.include_usage)
     continuous = bool(options and options.continuous_usage_stats)
-    return StreamingResponse(_stream(job, pump, request.scope, include_usage, continuous),
+    return StreamingResponse(sse_body(job, pump, request.scope, include_usage, continuous),
                              media_type="text/event-stream",
                              headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -466,111 +458,6 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _pieces(job: _Job, pump: EventPump) -> AsyncIterator[tuple[str, str | None]]:
-    """(text, finish_reason) as events arrive; the last item has a finish_reason."""
-    while True:
-        event = await pump.next()
-        if event is None:
-            raise BackendError(502, "the backend ended the stream without a finish reason")
-        ids = list(event.token_ids)[: max(0, job.max_tokens - job.output.num_tokens)]
-        job.timer.tokens(len(ids))
-        piece = job.output.add(ids)
-        finish = event.finish_reason
-        if job.output.stopped:
-            finish = "stop"
-        elif finish is None and job.output.num_tokens >= job.max_tokens:
-            finish = "length"  # the backend overran max_tokens: end it here
-        if finish is not None:
-            yield piece + job.output.finish(), finish
-            return
-        if piece:
-            yield piece, None
-
-
-def _usage(job: _Job) -> dict[str, int]:
-    n = job.output.num_tokens
-    return {"prompt_tokens": job.prompt_len, "completion_tokens": n, "total_tokens": job.prompt_len + n}
-
-
-async def _collect(job: _Job, pump: EventPump) -> dict[str, Any]:
-    text: list[str] = []
-    finish: str | None = None
-    try:
-        async for piece, reason in _pieces(job, pump):
-            text.append(piece)
-            finish = reason
-    finally:
-        await pump.close()
-    _finished(job)
-    content = "".join(text)
-    if job.chat:
-        body: Any = ChatCompletionResponse(
-            id=job.request_id, created=job.created, model=job.model, usage=_usage(job),
-            choices=[{"message": {"content": content}, "finish_reason": finish}])
-    else:
-        body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, usage=_usage(job),
-                                  choices=[{"text": content, "finish_reason": finish}])
-    return body.model_dump()
-
-
-def _finished(job: _Job) -> None:
-    metrics = job.state.metrics
-    metrics.generation_tokens.labels(job.model).inc(job.output.num_tokens)
-    metrics.record_completion(job.timer)
-
-
-def _chunk(job: _Job, text: str | None, finish: str | None, include_usage: bool,
-           role: bool = False, usage: dict[str, int] | None = None) -> dict[str, Any]:
-    if job.chat:
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        obj = "chat.completion.chunk"
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
-    chunk: dict[str, Any] = {"id": job.request_id, "object": obj, "created": job.created,
-                             "model": job.model, "choices": [choice]}
-    if include_usage:
-        chunk["usage"] = usage
-    return chunk
-
-
-async def _stream(job: _Job, pump: EventPump, scope: Scope, include_usage: bool,
-                  continuous: bool) -> AsyncIterator[bytes]:
-    """The SSE body. Ends with `data: [DONE]` on success and on failure (after an error
-    event); a client disconnect cancels it, and `pump.close` aborts the backend."""
-    def usage_now() -> dict[str, int] | None:
-        return _usage(job) if continuous else None
-
-    try:
-        if job.chat:
-            yield sse(_chunk(job, "", None, include_usage, role=True, usage=usage_now()))
-        async for piece, finish in _pieces(job, pump):
-            yield sse(_chunk(job, piece, finish, include_usage, usage=usage_now()))
-        await pump.close()
-        _finished(job)
-        if include_usage:
-            final = {"id": job.request_id, "object": "chat.completion.chunk" if job.chat else "text_completion",
-                     "created": job.created, "model": job.model, "choices": [], "usage": _usage(job)}
-            yield sse(final)
-        scope[STATUS_KEY] = 200
-    except asyncio.CancelledError:
-        scope[STATUS_KEY] = CLIENT_GONE
-        raise
-    except Exception as exc:
-        err = from_backend(exc) if isinstance(exc, BackendError) else None
-        if err is None:
-            log.exception("request %s failed mid-stream", job.request_id)
-            err = OpenAIError(500, "internal server error", code="internal_error")
-        scope[STATUS_KEY] = err.status_code
-        yield sse(err.body())
-    finally:
-        await pump.close()
-    yield DONE
 
 
 # --- models, health, metrics ---------------------------------------------------------------

@@ -1,5 +1,8 @@
-"""Token ids -> text as it streams: stop strings on top of incremental detokenization,
-SSE framing, and the pump that relays a backend's events.
+"""The response side of a request: token events in, OpenAI JSON or SSE out.
+
+`EventPump` relays the backend's events (and its cancellation), `OutputText` turns token
+ids into text with stop strings applied, `collect` builds a non-streaming response and
+`sse_body` the `data: ...` stream that ends in `data: [DONE]`.
 
 Detokenization itself is the processor's (`MultimodalProcessor.detokenizer`): a
 multi-byte character split across tokens is held back until complete, so the client
@@ -13,10 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
+
+from triptych.router.backend import BackendError
+from triptych.router.errors import OpenAIError, from_backend
+from triptych.router.metrics import FrontendMetrics, RequestTimer
+from triptych.router.protocol import ChatCompletionResponse, CompletionResponse
+
+log = logging.getLogger("triptych.router.streaming")
 
 DONE = b"data: [DONE]\n\n"
 
@@ -160,3 +173,130 @@ class EventPump:
         self._task.cancel()
         with anyio.CancelScope(shield=True):
             await asyncio.wait({self._task}, timeout=self._abort_timeout_s)
+
+
+# --- one request's response ---------------------------------------------------------------
+
+STATUS_KEY = "triptych.status"  # ASGI scope key: a request's final status (streams end after the headers)
+CLIENT_GONE = 499  # nginx's "client closed request"
+
+
+@dataclass
+class Job:
+    """One admitted request on its way out: what the response needs to be built."""
+
+    request_id: str
+    model: str
+    chat: bool  # chat.completion(.chunk) or text_completion
+    prompt_len: int
+    max_tokens: int
+    output: OutputText
+    metrics: FrontendMetrics
+    timer: RequestTimer = field(default_factory=RequestTimer)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[tuple[str, str | None]]:
+    """(text, finish_reason) as events arrive; the last item has a finish_reason."""
+    while True:
+        event = await pump.next()
+        if event is None:
+            raise BackendError(502, "the backend ended the stream without a finish reason")
+        ids = list(event.token_ids)[: max(0, job.max_tokens - job.output.num_tokens)]
+        job.timer.tokens(len(ids))
+        piece = job.output.add(ids)
+        finish = event.finish_reason
+        if job.output.stopped:
+            finish = "stop"
+        elif finish is None and job.output.num_tokens >= job.max_tokens:
+            finish = "length"  # the backend overran max_tokens: end it here
+        if finish is not None:
+            yield piece + job.output.finish(), finish
+            return
+        if piece:
+            yield piece, None
+
+
+def _usage(job: Job) -> dict[str, int]:
+    n = job.output.num_tokens
+    return {"prompt_tokens": job.prompt_len, "completion_tokens": n, "total_tokens": job.prompt_len + n}
+
+
+async def collect(job: Job, pump: EventPump) -> dict[str, Any]:
+    """The whole completion as one chat.completion / text_completion object."""
+    text: list[str] = []
+    finish: str | None = None
+    try:
+        async for piece, reason in _pieces(job, pump):
+            text.append(piece)
+            finish = reason
+    finally:
+        await pump.close()
+    _finished(job)
+    content = "".join(text)
+    if job.chat:
+        body: Any = ChatCompletionResponse(
+            id=job.request_id, created=job.created, model=job.model, usage=_usage(job),
+            choices=[{"message": {"content": content}, "finish_reason": finish}])
+    else:
+        body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, usage=_usage(job),
+                                  choices=[{"text": content, "finish_reason": finish}])
+    return body.model_dump()
+
+
+def _finished(job: Job) -> None:
+    job.metrics.generation_tokens.labels(job.model).inc(job.output.num_tokens)
+    job.metrics.record_completion(job.timer)
+
+
+def _chunk(job: Job, text: str | None, finish: str | None, include_usage: bool,
+           role: bool = False, usage: dict[str, int] | None = None) -> dict[str, Any]:
+    if job.chat:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    chunk: dict[str, Any] = {"id": job.request_id, "object": obj, "created": job.created,
+                             "model": job.model, "choices": [choice]}
+    if include_usage:
+        chunk["usage"] = usage
+    return chunk
+
+
+async def sse_body(job: Job, pump: EventPump, scope: dict[str, Any], include_usage: bool,
+                   continuous: bool) -> AsyncIterator[bytes]:
+    """The SSE body. Ends with `data: [DONE]` on success and on failure (after an error
+    event); a client disconnect cancels it, and `pump.close` aborts the backend. The
+    request's final status goes to `scope[STATUS_KEY]` for the front door's metrics."""
+    def usage_now() -> dict[str, int] | None:
+        return _usage(job) if continuous else None
+
+    try:
+        if job.chat:
+            yield sse(_chunk(job, "", None, include_usage, role=True, usage=usage_now()))
+        async for piece, finish in _pieces(job, pump):
+            yield sse(_chunk(job, piece, finish, include_usage, usage=usage_now()))
+        await pump.close()
+        _finished(job)
+        if include_usage:
+            final = {"id": job.request_id, "object": "chat.completion.chunk" if job.chat else "text_completion",
+                     "created": job.created, "model": job.model, "choices": [], "usage": _usage(job)}
+            yield sse(final)
+        scope[STATUS_KEY] = 200
+    except asyncio.CancelledError:
+        scope[STATUS_KEY] = CLIENT_GONE
+        raise
+    except Exception as exc:
+        err = from_backend(exc) if isinstance(exc, BackendError) else None
+        if err is None:
+            log.exception("request %s failed mid-stream", job.request_id)
+            err = OpenAIError(500, "internal server error", code="internal_error")
+        scope[STATUS_KEY] = err.status_code
+        yield sse(err.body())
+    finally:
+        await pump.close()
+    yield DONE
