@@ -409,7 +409,8 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     job = Job(request_id=request_id, model=state.model_name, chat=chat, prompt_len=len(prompt.token_ids),
               max_tokens=sampling.max_tokens, metrics=state.metrics,
-              output=OutputText(state.detokenizer(body.skip_special_tokens), sampling.stop))
+              output=OutputText(state.detokenizer(body.skip_special_tokens), sampling.stop),
+              return_token_ids=body.return_token_ids)
     gen = GenerationRequest(request_id=request_id, prompt_token_ids=prompt.token_ids,
                             mm_items=prompt.mm_items, images=prompt.images, sampling=sampling,
                             model=state.model_name)

@@ -94,6 +94,7 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False  # vLLM extra
     min_tokens: int = 0  # vLLM extra; only 0 is supported
     skip_special_tokens: bool = True  # vLLM extra
+    return_token_ids: bool = False  # vLLM extra: each choice carries the generated token ids
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1

@@ -193,11 +193,12 @@ class Job:
     output: OutputText
     metrics: FrontendMetrics
     timer: RequestTimer = field(default_factory=RequestTimer)
+    return_token_ids: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[tuple[str, str | None]]:
-    """(text, finish_reason) as events arrive; the last item has a finish_reason."""
+async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[tuple[str, str | None, list[int]]]:
+    """(text, finish_reason, token ids) as events arrive; the last item has a finish_reason."""
     while True:
         event = await pump.next()
         if event is None:
@@ -211,10 +212,10 @@ async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[tuple[str, str | N
         elif finish is None and job.output.num_tokens >= job.max_tokens:
             finish = "length"  # the backend overran max_tokens: end it here
         if finish is not None:
-            yield piece + job.output.finish(), finish
+            yield piece + job.output.finish(), finish, ids
             return
-        if piece:
-            yield piece, None
+        if piece or (ids and job.return_token_ids):
+            yield piece, None, ids
 
 
 def _usage(job: Job) -> dict[str, int]:
@@ -225,10 +226,12 @@ def _usage(job: Job) -> dict[str, int]:
 async def collect(job: Job, pump: EventPump) -> dict[str, Any]:
     """The whole completion as one chat.completion / text_completion object."""
     text: list[str] = []
+    token_ids: list[int] = []
     finish: str | None = None
     try:
-        async for piece, reason in _pieces(job, pump):
+        async for piece, reason, ids in _pieces(job, pump):
             text.append(piece)
+            token_ids += ids
             finish = reason
     finally:
         await pump.close()
@@ -241,7 +244,10 @@ async def collect(job: Job, pump: EventPump) -> dict[str, Any]:
     else:
         body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, usage=_usage(job),
                                   choices=[{"text": content, "finish_reason": finish}])
-    return body.model_dump()
+    data = body.model_dump()
+    if job.return_token_ids:
+        data["choices"][0]["token_ids"] = token_ids
+    return data
 
 
 def _finished(job: Job) -> None:
@@ -250,7 +256,8 @@ def _finished(job: Job) -> None:
 
 
 def _chunk(job: Job, text: str | None, finish: str | None, include_usage: bool,
-           role: bool = False, usage: dict[str, int] | None = None) -> dict[str, Any]:
+           role: bool = False, usage: dict[str, int] | None = None, ids: list[int] | None = None
+           ) -> dict[str, Any]:
     if job.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
@@ -260,6 +267,8 @@ def _chunk(job: Job, text: str | None, finish: str | None, include_usage: bool,
     else:
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
+    if job.return_token_ids and ids is not None:
+        choice["token_ids"] = ids
     chunk: dict[str, Any] = {"id": job.request_id, "object": obj, "created": job.created,
                              "model": job.model, "choices": [choice]}
     if include_usage:
@@ -278,8 +287,8 @@ async def sse_body(job: Job, pump: EventPump, scope: dict[str, Any], include_usa
     try:
         if job.chat:
             yield sse(_chunk(job, "", None, include_usage, role=True, usage=usage_now()))
-        async for piece, finish in _pieces(job, pump):
-            yield sse(_chunk(job, piece, finish, include_usage, usage=usage_now()))
+        async for piece, finish, ids in _pieces(job, pump):
+            yield sse(_chunk(job, piece, finish, include_usage, usage=usage_now(), ids=ids))
         await pump.close()
         _finished(job)
         if include_usage:

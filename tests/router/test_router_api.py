@@ -292,3 +292,16 @@ async def test_null_fields_mean_their_defaults(client, backend) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == REPLY
     assert backend.requests[0].sampling.temperature == 1.0
+
+
+async def test_return_token_ids_in_both_modes(client, backend, processor) -> None:
+    """vLLM's `return_token_ids` extra: the choice carries exactly the tokens generated."""
+    want = [t for event in reply_events(processor) for t in event.token_ids]
+    r = await client.post(CHAT, json=chat_body(return_token_ids=True))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == want
+    r = await client.post(CHAT, json=chat_body(return_token_ids=True, stream=True))
+    chunks = parse_sse(r.text)[:-1]
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == want
+    plain = await client.post(CHAT, json=chat_body())
+    assert "token_ids" not in plain.json()["choices"][0]
