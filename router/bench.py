@@ -643,9 +643,12 @@ def plot_attainment(series: dict[str, Sequence[tuple[float, float | None]]], pat
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, points in series.items():
+    styles = [("o", "-"), ("s", "--"), ("^", "-."), ("D", ":")]  # series that coincide stay visible
+    for i, (label, points) in enumerate(series.items()):
         pts = sorted((r, a) for r, a in points if a is not None)
-        line, = ax.plot([r for r, _ in pts], [a * 100 for _, a in pts], marker="o", label=label)
+        marker, style = styles[i % len(styles)]
+        line, = ax.plot([r for r, _ in pts], [a * 100 for _, a in pts], marker=marker, linestyle=style,
+                        markersize=7 - i % len(styles), label=label)
         gp = goodput(pts, target)
         if gp is not None:
             ax.axvline(gp, color=line.get_color(), linestyle=":", linewidth=1)
