@@ -31,7 +31,7 @@ def _login() -> Any:
 
 async def run(ctx: OperatorContext, *, namespaces: list[str], standalone: bool,
               settings: kopf.OperatorSettings | None = None, stop_flag: threading.Event | None = None,
-              ready_flag: threading.Event | None = None) -> None:
+              ready_flag: threading.Event | None = None, liveness_endpoint: str | None = None) -> None:
     """Run the operator until stopped (a signal in production, `stop_flag` in tests)."""
     registry = kopf.OperatorRegistry()
     register(registry, ctx)
@@ -39,12 +39,16 @@ async def run(ctx: OperatorContext, *, namespaces: list[str], standalone: bool,
     configure(settings)
     await kopf.operator(registry=registry, settings=settings, standalone=standalone,
                         clusterwide=not namespaces, namespaces=namespaces,
-                        stop_flag=stop_flag, ready_flag=ready_flag, memo=kopf.Memo())
+                        stop_flag=stop_flag, ready_flag=ready_flag, memo=kopf.Memo(),
+                        liveness_endpoint=liveness_endpoint)
 
 
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = OperatorConfig(operator_namespace=os.environ.get("POD_NAMESPACE"))
     ctx = OperatorContext(connect=_login, config=config)
-    asyncio.run(run(ctx, namespaces=list(args.namespace), standalone=bool(args.standalone)))
+    # kopf's liveness endpoint for the operator pod's probe; TRIPTYCH_OPERATOR_HEALTH="" disables it.
+    health = os.environ.get("TRIPTYCH_OPERATOR_HEALTH", "http://0.0.0.0:8080/healthz") or None
+    asyncio.run(run(ctx, namespaces=list(args.namespace), standalone=bool(args.standalone),
+                    liveness_endpoint=health))
     return 0

@@ -49,10 +49,11 @@ class PoolPlan:
     remove: tuple[str, ...] = ()  # mark with the removal deletion cost
     unmark: tuple[str, ...] = ()  # marked earlier, wanted again: drop the mark
     waiting: int = 0  # missing instances no pod can take yet (pods starting or to be created)
+    excess: int = 0  # live pods beyond the replica count (waiting for the ReplicaSet to delete them)
 
     @property
     def settled(self) -> bool:
-        return not (self.changes or self.remove or self.unmark or self.waiting)
+        return not (self.changes or self.remove or self.unmark or self.waiting or self.excess)
 
 
 def _removal_order(pods: list[WorkerPod]) -> list[WorkerPod]:
@@ -98,6 +99,7 @@ def plan_pool(desired: Mapping[InstanceType, int], pods: Sequence[WorkerPod]) ->
         remove=tuple(sorted(p.name for p in remove if not p.marked)),
         unmark=tuple(sorted(p.name for p in live if p.marked and p.name not in removed)),
         waiting=max(0, len(short) - len(changes)),
+        excess=excess,
     )
 
 

@@ -29,7 +29,7 @@ class Observation:
     pool_counts: Mapping[str, Mapping[InstanceType, int]] = field(default_factory=dict)
     pods: Mapping[str, list[WorkerPod]] = field(default_factory=dict)  # pool -> pods, roles as now
     router_ready: int = 0
-    plans: Mapping[str, PoolPlan] = field(default_factory=dict)
+    plans: Mapping[str, PoolPlan] = field(default_factory=dict)  # what is left to do after this pass
     failures: tuple[str, ...] = ()
     invalid: tuple[str, ...] = ()  # InvalidSpec problems; everything else is ignored when set
 
@@ -102,8 +102,8 @@ def _describe(plan: PoolPlan) -> str:
     parts = []
     if plan.changes:
         parts.append(f"{len(plan.changes)} role change(s)")
-    if plan.remove or plan.unmark:
-        parts.append(f"{len(plan.remove)} pod(s) marked for removal")
+    if plan.remove or plan.excess:
+        parts.append(f"{max(len(plan.remove), plan.excess)} pod(s) to remove")
     if plan.waiting:
         parts.append(f"{plan.waiting} instance(s) waiting for pods")
     return ", ".join(parts)

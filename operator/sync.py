@@ -14,6 +14,7 @@ settled deployment (e.g. after an operator restart) makes no writes at all.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import logging
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ from typing import Any
 
 from triptych.operator import names
 from triptych.operator.api import InvalidSpecError, parse_spec
-from triptych.operator.apply import CHILD_KINDS, DEPLOYMENT, MLLM, POD, PRUNABLE, SERVICE_MONITOR
+from triptych.operator.apply import CHILD_KINDS, DEPLOYMENT, MLLM, POD, PRUNABLE, SERVICE_MONITOR, matches
 from triptych.operator.context import OperatorContext
 from triptych.operator.reconcile import Desired, Owner, reconcile
 from triptych.operator.roles import PoolPlan, RoleChange, WorkerPod, plan_pool, role_labels
@@ -66,16 +67,21 @@ async def _sync_locked(ctx: OperatorContext, body: Mapping[str, Any], *, apply_c
     plans = {pool: plan_pool(desired.pool_counts[pool], pods[pool]) for pool in desired.pool_counts}
 
     await _mark_removals(ctx, body, plans)
-    if apply_children:
-        await _apply_children(ctx, body, owner, desired)
+    listed = await _apply_children(ctx, body, owner, desired) if apply_children else {}
     done, failures = await _change_roles(ctx, body, plans, {p["metadata"]["name"]: p for p in raw_pods})
 
-    current = {pool: [_with_role(p, done.get(p.name)) for p in pool_pods] for pool, pool_pods in pods.items()}
-    routers = await ctx.kube.list(DEPLOYMENT, namespace, {names.LABEL_DEPLOYMENT: name,
-                                                          names.LABEL_COMPONENT: names.COMPONENT_ROUTER})
+    marked = {pod for plan in plans.values() for pod in plan.remove}
+    unmarked = {pod for plan in plans.values() for pod in plan.unmark}
+    current = {pool: [_after(p, done.get(p.name), marked, unmarked) for p in pool_pods]
+               for pool, pool_pods in pods.items()}
+    left = {pool: plan_pool(desired.pool_counts[pool], current[pool]) for pool in current}
+    router_labels = {names.LABEL_DEPLOYMENT: name, names.LABEL_COMPONENT: names.COMPONENT_ROUTER}
+    if "Deployment" in listed:  # the status of the router Deployment, as listed before applying
+        routers = [d for d in listed["Deployment"] if matches(d, router_labels)]
+    else:
+        routers = await ctx.kube.list(DEPLOYMENT, namespace, router_labels)
     router_ready = sum((d.get("status") or {}).get("readyReplicas") or 0 for d in routers)
-    observation = Observation(generation, desired.pool_counts, current, router_ready,
-                              plans, tuple(failures))
+    observation = Observation(generation, desired.pool_counts, current, router_ready, left, tuple(failures))
     await _write_status(ctx, body, observation)
 
 
@@ -98,10 +104,10 @@ def worker_pod(pod: Mapping[str, Any]) -> WorkerPod:
                      marked=marked)
 
 
-def _with_role(pod: WorkerPod, role: InstanceType | None) -> WorkerPod:
-    if role is None:
-        return pod
-    return WorkerPod(pod.name, role, pod.ready, pod.ip, pod.created, pod.terminating, pod.marked)
+def _after(pod: WorkerPod, role: InstanceType | None, marked: set[str], unmarked: set[str]) -> WorkerPod:
+    """The pod as this pass left it (new role, removal mark)."""
+    mark = (pod.marked or pod.name in marked) and pod.name not in unmarked
+    return dataclasses.replace(pod, role=role or pod.role, marked=mark)
 
 
 def _pod_port(pod: Mapping[str, Any]) -> int:
@@ -161,15 +167,17 @@ def _owned_by(obj: Mapping[str, Any], uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
 
 
-async def _apply_children(ctx: OperatorContext, body: Mapping[str, Any], owner: Owner, desired: Desired) -> None:
+async def _apply_children(ctx: OperatorContext, body: Mapping[str, Any], owner: Owner,
+                          desired: Desired) -> dict[str, list[Obj]]:
+    """Apply what changed, prune what is no longer desired; returns the listed children by kind."""
     facts = await ctx.facts()
+    kinds = [k for k in CHILD_KINDS if k is not SERVICE_MONITOR or facts.service_monitor_crd]
+    selector = {names.LABEL_DEPLOYMENT: owner.name}
+    listed = await asyncio.gather(*(ctx.kube.list(k, owner.namespace, selector) for k in kinds))
     applied, pruned = [], []
-    for kind in CHILD_KINDS:
-        if kind is SERVICE_MONITOR and not facts.service_monitor_crd:
-            continue
+    for kind, objs in zip(kinds, listed, strict=True):
         want = desired.by_kind(kind.kind)
-        have = {o["metadata"]["name"]: o
-                for o in await ctx.kube.list(kind, owner.namespace, {names.LABEL_DEPLOYMENT: owner.name})}
+        have = {o["metadata"]["name"]: o for o in objs}
         for name, obj in want.items():
             if name not in have or _hash(have[name]) != _hash(obj):
                 await ctx.kube.apply(obj)
@@ -183,6 +191,7 @@ async def _apply_children(ctx: OperatorContext, body: Mapping[str, Any], owner: 
         ctx.emit(body, "Normal", "Applied", ", ".join(applied))
     if pruned:
         ctx.emit(body, "Normal", "Pruned", ", ".join(pruned))
+    return {kind.kind: objs for kind, objs in zip(kinds, listed, strict=True)}
 
 
 # --- status --------------------------------------------------------------------------------

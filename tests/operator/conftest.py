@@ -56,6 +56,7 @@ RESOURCES: dict[str, tuple[str, bool, set[str]]] = {
 }
 SERVICE_MONITORS = "monitoring.coreos.com/v1/servicemonitors"
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
+TEST_AGENT = "triptych-tests"  # the tests' own requests; everything else is the code under test
 
 
 def _now() -> str:
@@ -274,7 +275,7 @@ class Cluster:
             await worker.stop()
 
 
-async def wait_for(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+async def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
     """Poll `check` until it returns something truthy; fail with `what` after `timeout`."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
@@ -333,7 +334,7 @@ class OperatorThread:
 
         self._thread = threading.Thread(target=main, name="kopf", daemon=True)
         self._thread.start()
-        assert self._ready.wait(10), "kopf did not start"
+        assert self._ready.wait(30), "kopf did not start"
 
     async def stop(self) -> None:
         self._stop.set()
@@ -343,7 +344,7 @@ class OperatorThread:
             await asyncio.to_thread(self._thread.join, 1.0)
             if self._thread.is_alive() and self._loop is not None and self._task is not None:
                 self._loop.call_soon_threadsafe(self._task.cancel)
-            await asyncio.to_thread(self._thread.join, 15)
+            await asyncio.to_thread(self._thread.join, 30)
             assert not self._thread.is_alive(), "kopf did not stop"
         assert self.error is None, f"kopf crashed: {self.error!r}"
 
@@ -388,7 +389,7 @@ def service_monitors() -> bool:
 @pytest.fixture
 async def env(service_monitors: bool) -> AsyncIterator[Env]:
     async with api_server(service_monitors) as (api, url):
-        async with aiohttp.ClientSession(base_url=url) as client:
+        async with aiohttp.ClientSession(base_url=url, headers={"User-Agent": TEST_AGENT}) as client:
             e = Env(api, Cluster(api, client, free_port()), url)
             try:
                 yield e
@@ -401,4 +402,30 @@ async def env(service_monitors: bool) -> AsyncIterator[Env]:
 
 
 def iter_requests(api: ApiServer) -> Iterator[Any]:
-    yield from list(api)
+    """Requests made by the code under test (not by the test's own hands)."""
+    for r in list(api):
+        if r.headers.get("User-Agent") != TEST_AGENT:
+            yield r
+
+
+def rbac_needs(api: ApiServer) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource[/subresource], verb) for every resource request made by the code
+    under test; a server-side apply that created an object is authorized as `create`."""
+    needs = set()
+    for r in iter_requests(api):
+        if r.resource is None or r.resource.plural is None:
+            continue  # discovery (/api, /apis/...): non-resource URLs every identity may read
+        resource = r.resource.plural + (f"/{r.subresource}" if r.subresource else "")
+        if r.method == "GET":
+            verb = "watch" if r.params.get("watch") == "true" else "get" if r.name else "list"
+        elif r.method == "PATCH":
+            verb = "create" if r.id in api.applied_creates else "patch"
+        else:
+            verb = {"POST": "create", "PUT": "update", "DELETE": "delete"}[r.method]
+        needs.add((r.resource.group, resource, verb))
+    return needs
+
+
+def rbac_grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    return {(g, res, v) for rule in rules for g in rule["apiGroups"] for res in rule["resources"]
+            for v in rule["verbs"]}

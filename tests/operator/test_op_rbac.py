@@ -1,0 +1,93 @@
+"""RBAC derived from behaviour: the operator's ClusterRole grants exactly what its requests need.
+
+One scenario walks every code path that talks to the API (create, role assignment, re-apply
+of every child kind, scale-down, pruning, an invalid spec, deletion); the (group, resource,
+verb) set of the requests it made must equal the ClusterRole's grants.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import NS, Env, rbac_grants, rbac_needs, wait_for
+from test_op_integration import settle, spec
+
+from triptych.operator import names
+
+pytestmark = pytest.mark.timeout(120)
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+CHILDREN = ("v1/configmaps", "v1/services", "v1/serviceaccounts", "apps/v1/deployments",
+            "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies",
+            "rbac.authorization.k8s.io/v1/rolebindings", "monitoring.coreos.com/v1/servicemonitors")
+
+
+def cluster_role(path: Path, name: str) -> list[dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == name)["rules"]
+
+
+def operator_grants() -> set[tuple[str, str, str]]:
+    return rbac_grants(cluster_role(DEPLOY / "operator-rbac.yaml", "triptych-operator"))
+
+
+def tamper_children(env: Env) -> None:
+    """Make every child look out of date (as after an operator upgrade) without a watch event."""
+    import kmock
+
+    for res in CHILDREN:
+        for name in env.api.all(res):
+            env.api.objects[kmock.resource(res), NS, name].patch(
+                {"metadata": {"annotations": {names.ANNOTATION_SPEC_HASH: "stale"}}})
+
+
+@pytest.mark.parametrize("service_monitors", [True])
+async def test_operator_cluster_role_is_exactly_what_the_code_uses(env: Env) -> None:
+    port = env.cluster.worker_port
+    pools = [{"name": "enc", "instanceTypes": ["E"], "port": port},
+             {"name": "llm", "instanceTypes": ["P", "D"], "port": port}]
+    env.start_operator()
+    await env.cluster.create_mllm("demo", spec(port, {"E": 1, "P": 1, "D": 2}, pools=pools))
+    await settle(env, "demo", 4)
+
+    tamper_children(env)  # -> server-side apply patches of every existing child kind
+    await wait_for(lambda: all(
+        (obj["metadata"].get("annotations") or {}).get(names.ANNOTATION_SPEC_HASH) != "stale"
+        for res in CHILDREN for obj in env.api.all(res).values()), what="children re-applied")
+
+    await env.cluster.patch_mllm("demo", {"spec": {"topology": {"D": 1}}})  # deletion costs
+    await wait_for(lambda: env.api.get("apps/v1/deployments", "demo-llm")["spec"]["replicas"] == 2,
+                   what="scale down")
+    await env.cluster.reconcile_replicas()
+
+    await env.cluster.patch_mllm("demo", {"spec": {  # prune a pool, the monitor and the policy
+        "pools": [{"name": "all", "port": port}], "monitoring": {"serviceMonitor": False},
+        "networkPolicy": {"enabled": False}}})
+    await wait_for(lambda: env.api.get("apps/v1/deployments", "demo-enc") is None, what="pool pruned")
+    await wait_for(lambda: env.api.get("monitoring.coreos.com/v1/servicemonitors", "demo") is None,
+                   what="monitor pruned")
+
+    await env.cluster.patch_mllm("demo", {"spec": {"topology": {"X": 1}}})  # invalid: event
+    await wait_for(lambda: (env.cluster.condition("demo", "Ready") or {}).get("reason") == "InvalidSpec",
+                   what="InvalidSpec")
+    await env.cluster.delete_mllm("demo")
+    await wait_for(lambda: env.cluster.mllm("demo") is None, what="finalizer released")
+
+    needs = rbac_needs(env.api)
+    grants = operator_grants()
+    assert needs - grants == set(), "requests the ClusterRole does not allow"
+    assert grants - needs == set(), "grants no code path used"
+
+
+def test_operator_rbac_binds_the_operator_service_account() -> None:
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "operator-rbac.yaml").read_text()) if d]
+    binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
+    account = next(d for d in docs if d["kind"] == "ServiceAccount")
+    assert binding["roleRef"]["name"] == "triptych-operator"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": account["metadata"]["namespace"]}]
+    operator = [d for d in yaml.safe_load_all((DEPLOY / "operator.yaml").read_text()) if d]
+    deployment = next(d for d in operator if d["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
