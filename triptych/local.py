@@ -101,6 +101,8 @@ class LocalDeployment:
         return self._spawn(f"worker-{kind}-{index}", args, port)
 
     def start(self) -> LocalDeployment:
+        if self.processes:  # already running (e.g. started, then used as a context manager)
+            return self
         try:
             workers = [self.start_worker(kind, i) for kind, n in self.topology.items() for i in range(n)]
             workers += [self.start_worker(role, i) for i, role in enumerate(self.extra_roles)]

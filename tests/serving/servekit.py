@@ -18,7 +18,10 @@ from PIL import Image
 
 from triptych.local import LocalDeployment
 from triptych.processor import MultimodalProcessor
+from triptych.tiny_model import tiny_model_path
 from triptych.topology import parse_topology
+
+tiny_dir = tiny_model_path  # the root conftest points TRIPTYCH_CACHE at the test builds
 
 PROMPTS = [
     "Describe the picture.",
@@ -113,7 +116,12 @@ async def run_all(url: str, bodies: list[dict[str, Any]], timeout_s: float = 180
 
 
 def stats(dep: LocalDeployment) -> dict[str, dict[str, Any]]:
-    return {w.name: httpx.get(f"{w.url}/admin/stats", timeout=10).json() for w in dep.workers}
+    out = {}
+    for w in dep.workers:
+        r = httpx.get(f"{w.url}/admin/stats", timeout=10)
+        assert r.status_code == 200, (w.name, r.status_code, r.text[:500])
+        out[w.name] = r.json()
+    return out
 
 
 def expected_transfer_bytes(model_dir: Path, cases: list[Case], worker_stats: dict[str, dict[str, Any]],

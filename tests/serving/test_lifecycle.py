@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 import servekit
-from conftest import tiny_dir
+from servekit import tiny_dir
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import servekit
-from conftest import tiny_dir
+from servekit import tiny_dir
 
 pytestmark = pytest.mark.slow
 

@@ -638,7 +638,8 @@ class Engine:
                                    "bytes": self.kv.nbytes}
             if self.mm is not None:
                 out["mm_cache"] = {"num_blocks": self.mm.num_blocks, "used": self.mm.num_used,
-                                   "free": self.mm.num_free, "rows_per_block": self.mm.rows_per_block,
+                                   "free": self.mm.num_free, "referenced": self.mm.num_referenced,
+                                   "rows_per_block": self.mm.rows_per_block,
                                    "entries": self.mm.num_entries, "bytes": self.mm.nbytes}
             return out
 

@@ -55,6 +55,12 @@ class MMCache:
         return self.allocator.num_used
 
     @property
+    def num_referenced(self) -> int:
+        """Blocks of entries some request or hand-over still holds; the rest of `num_used`
+        is cached embeddings kept for reuse, evicted on demand."""
+        return sum(len(e.block_ids) for e in self._entries.values() if e.refcount > 0)
+
+    @property
     def num_entries(self) -> int:
         return len(self._entries)
 
