@@ -118,6 +118,10 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", default=None)
     p.add_argument("--allow-http-images", action="store_true")
     p.add_argument("--image-host-allowlist", nargs="*", default=[])
+    p.add_argument("--discovery", choices=("static", "kubernetes"), default="static",
+                   help="static: --workers; kubernetes: watch the worker pods of --k8s-deployment")
+    p.add_argument("--k8s-namespace", default=None, help="namespace of the worker pods (kubernetes discovery)")
+    p.add_argument("--k8s-deployment", default=None, help="MLLMDeployment name (kubernetes discovery)")
     p.set_defaults(func=_lazy("triptych.router.main:cli_main"))
 
 
