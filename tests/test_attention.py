@@ -182,3 +182,9 @@ def test_flashinfer_matches_torch_backend(decode_only: bool) -> None:
         backend.plan(meta, geometry)
         outs.append(backend.forward(q, k, v, cache.clone(), 1, meta).float())
     assert (outs[0] - outs[1]).abs().max() < 2e-2
+
+
+def test_select_backend_keeps_torch_where_flashinfer_cannot_run() -> None:
+    # fp32 and odd head sizes are outside FlashInfer's kernels even on CUDA.
+    assert isinstance(select_backend("cuda", head_dim=16, dtype=torch.float16), TorchAttention)
+    assert isinstance(select_backend("cuda", head_dim=128, dtype=torch.float32), TorchAttention)

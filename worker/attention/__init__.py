@@ -21,10 +21,19 @@ log = logging.getLogger(__name__)
 _FLASHINFER_HEAD_DIMS = (64, 128, 256)
 
 
-def select_backend(device: torch.device | str, head_dim: int | None = None) -> AttentionBackend:
-    """FlashInfer on CUDA when it imports and supports `head_dim`, else the torch backend."""
+_FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def select_backend(
+    device: torch.device | str, head_dim: int | None = None, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """FlashInfer on CUDA when it imports and supports `head_dim` and `dtype` (fp16/bf16),
+    else the torch backend."""
     device = torch.device(device)
-    if device.type == "cuda" and (head_dim is None or head_dim in _FLASHINFER_HEAD_DIMS):
+    supported = (head_dim is None or head_dim in _FLASHINFER_HEAD_DIMS) and (
+        dtype is None or dtype in _FLASHINFER_DTYPES
+    )
+    if device.type == "cuda" and supported:
         try:
             from .flashinfer_backend import FlashInferAttention
 

@@ -74,7 +74,7 @@ def load_model(
         _load_weights(vision_model, index, "vision", dtype, device, model_dir)
         vision_model.to(device).eval()
     if language:
-        backend = select_backend(device, spec.head_dim)
+        backend = select_backend(device, spec.head_dim, dtype)
         with torch.device("meta"):  # no allocation or init: every parameter comes from the checkpoint
             language_model = LanguageModel(spec, backend=backend)
         _load_weights(language_model, index, "lm", dtype, device, model_dir)
