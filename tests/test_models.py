@@ -589,3 +589,36 @@ def test_llava_with_qwen2_text_backbone_matches_hf(tmp_path: Path) -> None:
     positions, _ = prompt_positions(ours.spec, ids.tolist(), [])
     (logits,) = PagedRunner(ours.language, 4).step([(0, embeds, positions)])
     assert (logits - reference).abs().max() < ATOL
+
+
+def test_only_the_needed_part_is_read_from_safetensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import safetensors
+
+    read: list[str] = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs) -> None:
+            self.handle = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.inner = self.handle.__enter__()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.handle.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_tensor(self, key: str):
+            read.append(key)
+            return self.inner.get_tensor(key)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    load_model(tiny_dir("qwen2-vl"), vision=True, language=False)
+    assert read and all(k.startswith("visual.") for k in read)
+    read.clear()
+    load_model(tiny_dir("qwen2-vl"), vision=False, language=True)
+    assert read and not any(k.startswith("visual.") for k in read)
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= set(read)
