@@ -45,6 +45,7 @@ async def run(ctx: OperatorContext, *, namespaces: list[str], standalone: bool,
 
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per API call is noise
     config = OperatorConfig(operator_namespace=os.environ.get("POD_NAMESPACE"))
     ctx = OperatorContext(connect=_login, config=config)
     # kopf's liveness endpoint for the operator pod's probe; TRIPTYCH_OPERATOR_HEALTH="" disables it.

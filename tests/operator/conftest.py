@@ -207,10 +207,10 @@ class Cluster:
 
     # --- the custom resource -----------------------------------------------------------
 
-    async def create_mllm(self, name: str, spec: dict[str, Any]) -> None:
-        await self.request("POST", f"/apis/{names.API_VERSION}/namespaces/{NS}/{names.PLURAL}", {
+    async def create_mllm(self, name: str, spec: dict[str, Any], namespace: str = NS) -> None:
+        await self.request("POST", f"/apis/{names.API_VERSION}/namespaces/{namespace}/{names.PLURAL}", {
             "apiVersion": names.API_VERSION, "kind": names.KIND,
-            "metadata": {"name": name, "namespace": NS}, "spec": spec})
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec})
 
     async def patch_mllm(self, name: str, patch: dict[str, Any]) -> None:
         await self.request("PATCH", f"/apis/{names.API_VERSION}/namespaces/{NS}/{names.PLURAL}/{name}",
@@ -292,8 +292,9 @@ async def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = 
 class OperatorThread:
     """The real kopf runtime with our handlers, in its own thread and event loop."""
 
-    def __init__(self, url: str, *, timer_interval: float = 0.5):
+    def __init__(self, url: str, *, timer_interval: float = 0.5, namespaces: list[str] | None = None):
         self.url = url
+        self.namespaces = namespaces or []
         self.config = OperatorConfig(timer_interval=timer_interval, retry_delay=0.2, role_switch_timeout=5.0,
                                      operator_namespace="triptych-system")
         self.events: list[tuple[str, str, str]] = []
@@ -321,7 +322,7 @@ class OperatorThread:
         async def operator() -> None:
             self._loop = asyncio.get_running_loop()
             self._task = asyncio.current_task()
-            await run(ctx, namespaces=[], standalone=True, settings=settings,
+            await run(ctx, namespaces=self.namespaces, standalone=True, settings=settings,
                       stop_flag=self._stop, ready_flag=self._ready)
 
         def main() -> None:
@@ -368,8 +369,8 @@ class Env:
     url: str
     operators: list[OperatorThread] = field(default_factory=list)
 
-    def start_operator(self) -> OperatorThread:
-        op = OperatorThread(self.url)
+    def start_operator(self, namespaces: list[str] | None = None) -> OperatorThread:
+        op = OperatorThread(self.url, namespaces=namespaces)
         op.start()
         self.operators.append(op)
         return op

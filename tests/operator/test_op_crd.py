@@ -14,7 +14,15 @@ import yaml
 from triptych.cli import FAMILIES
 from triptych.operator import names
 from triptych.operator.api import Family, InvalidSpecError, MLLMDeploymentSpec, parse_spec
-from triptych.operator.crd import CRD_PATH, build_crd, cli_main, openapi_schema, render_crd, structural_problems, to_structural
+from triptych.operator.crd import (
+    CRD_PATH,
+    build_crd,
+    cli_main,
+    openapi_schema,
+    render_crd,
+    structural_problems,
+    to_structural,
+)
 from triptych.topology import InstanceType
 
 K8S_VERSIONS = ("1.33", kubernetes_validate.latest_version())

@@ -247,6 +247,22 @@ async def test_schema_violation_is_invalid_spec(env: Env) -> None:
     assert all(not objs for objs in children(env).values())
 
 
+async def test_spec_turning_invalid_leaves_children_untouched(env: Env) -> None:
+    env.start_operator()
+    await env.cluster.create_mllm("demo", spec(env.cluster.worker_port))
+    await settle(env, "demo", 3)
+    before = {res: {n: env.api.get(res, n) for n in objs} for res, objs in children(env).items()}
+    mark = env.mark()
+    await env.cluster.patch_mllm("demo", {"spec": {"topology": {"E": 0, "P": 0, "D": 0}}})
+    ready = await wait_for(lambda: env.cluster.condition("demo", "Ready")["reason"] == "InvalidSpec"
+                           and env.cluster.condition("demo", "Ready"), what="InvalidSpec")
+    assert "no instances" in ready["message"]
+    await asyncio.sleep(1.2)  # timer passes too
+    assert child_writes(env, mark) == []
+    assert not [r for r in env.writes(mark) if r.resource and r.resource.plural == "pods"]
+    assert {res: {n: env.api.get(res, n) for n in objs} for res, objs in children(env).items()} == before
+
+
 async def test_refused_role_switch_is_degraded_then_retried(env: Env) -> None:
     op = env.start_operator()
     await env.cluster.create_mllm("demo", spec(env.cluster.worker_port, {"EPD": 1}))
@@ -290,3 +306,13 @@ async def test_service_monitor_follows_the_crd_and_the_spec(env: Env) -> None:
                    what="ServiceMonitor pruned")
     await wait_for(lambda: env.api.get("networking.k8s.io/v1/networkpolicies", "demo-workers") is None,
                    what="NetworkPolicy pruned")
+
+
+async def test_namespace_flag_restricts_the_operator(env: Env) -> None:
+    env.start_operator(namespaces=["serving"])
+    await env.cluster.create_mllm("elsewhere", spec(env.cluster.worker_port), namespace="other")
+    await env.cluster.create_mllm("demo", spec(env.cluster.worker_port))
+    await wait_for(lambda: env.api.get("apps/v1/deployments", "demo-cpu"), what="served namespace")
+    await asyncio.sleep(1.0)  # two timer intervals
+    assert env.api.all("apps/v1/deployments", namespace="other") == {}
+    assert "status" not in env.api.get(f"{names.API_VERSION}/{names.PLURAL}", "elsewhere", namespace="other")

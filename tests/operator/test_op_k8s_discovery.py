@@ -9,7 +9,17 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import NS, TEST_AGENT, Cluster, FakeWorker, api_server, free_port, rbac_grants, rbac_needs, wait_for
+from conftest import (
+    NS,
+    TEST_AGENT,
+    Cluster,
+    FakeWorker,
+    api_server,
+    free_port,
+    rbac_grants,
+    rbac_needs,
+    wait_for,
+)
 
 from triptych.router.k8s_discovery import KubeAccess, KubernetesDiscovery, WorkerEndpoint
 
