@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from conftest import APPLY, Env, wait_for
+from kube_harness import APPLY, Env, wait_for
 
 from triptych.operator import names
 

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import (
+from kube_harness import (
     NS,
     TEST_AGENT,
     Cluster,

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import NS, Env, rbac_grants, rbac_needs, wait_for
+from kube_harness import NS, Env, rbac_grants, rbac_needs, wait_for
 from test_op_integration import settle, spec
 
 from triptych.operator import names
