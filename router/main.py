@@ -1,50 +1,66 @@
 """`triptych router`: the HTTP layer (api.py) over the orchestrator, with discovery.
 
-Static discovery (local mode) takes worker URLs from the command line; the registry then
-learns each worker's role and load from its `/health` every poll interval.
+Static discovery (local mode) takes worker URLs from the command line; Kubernetes
+discovery watches the deployment's worker pods. Either way the registry then learns each
+worker's role and load from its `/health` every poll interval.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
 from triptych.router.orchestrator import Orchestrator, OrchestratorConfig
-from triptych.router.planner import Chooser, Policy
+from triptych.router.planner import Chooser, Policy, parse_stage_policies
 from triptych.router.registry import Registry
 
 log = logging.getLogger("triptych.router")
 
 
-def build(config: RouterConfig, worker_urls: list[str], policy: Policy = Policy.ROUND_ROBIN,
-          orchestrator_config: OrchestratorConfig | None = None, poll_interval_s: float = 1.0) -> FastAPI:
-    """The router app with its orchestrator; the registry is polled while the app runs."""
+def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None = None,
+          orchestrator_config: OrchestratorConfig | None = None, poll_interval_s: float = 1.0,
+          discovery: object | None = None) -> FastAPI:
+    """The router app with its orchestrator; the registry is polled while the app runs.
+    `discovery` (a KubernetesDiscovery) replaces the static URL list when given."""
     registry = Registry(worker_urls, poll_interval_s=poll_interval_s)
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
-    orchestrator = Orchestrator(registry, client, Chooser(policy), orchestrator_config)
-    app = create_app(config, orchestrator)
+    metrics = CollectorRegistry()
+    orchestrator = Orchestrator(registry, client, chooser or Chooser(), orchestrator_config, metrics)
+    app = create_app(config, orchestrator, registry=metrics)
     inner = app.router.lifespan_context
 
     @asynccontextmanager
     async def lifespan(app_: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
+        tasks = []
+        if discovery is not None:
+            await discovery.start()
+            tasks.append(asyncio.create_task(_follow(discovery, registry, stop)))
         await registry.refresh(client)
-        poller = asyncio.create_task(registry.run(client, stop))
+        tasks.append(asyncio.create_task(registry.run(client, stop)))
         try:
             async with inner(app_):
                 yield
         finally:
             stop.set()
-            await poller
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if discovery is not None:
+                await discovery.stop()
             await client.aclose()
 
     app.router.lifespan_context = lifespan
@@ -53,9 +69,44 @@ def build(config: RouterConfig, worker_urls: list[str], policy: Policy = Policy.
     return app
 
 
+async def _follow(discovery: object, registry: Registry, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+    """Mirror the discovered (Ready, role-confirmed) pods into the registry."""
+    while not stop.is_set():
+        registry.set_urls([e.url for e in discovery.current()])  # type: ignore[attr-defined]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=interval_s)
+
+
+def _discovery(args: argparse.Namespace) -> object | None:
+    if getattr(args, "discovery", "static") != "kubernetes":
+        return None
+    if not args.k8s_deployment:
+        raise SystemExit("--discovery kubernetes needs --k8s-deployment")
+    from triptych.router.k8s_discovery import KubeAccess, KubernetesDiscovery
+
+    return KubernetesDiscovery(args.k8s_namespace or _own_namespace(), args.k8s_deployment,
+                               access=KubeAccess.auto())
+
+
+def _own_namespace() -> str:
+    """The pod's namespace: POD_NAMESPACE (downward API), else the service account's."""
+    sa = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+    return os.environ.get("POD_NAMESPACE") or (sa.read_text().strip() if sa.is_file() else "default")
+
+
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = RouterConfig.from_cli(args)
-    app = build(config, list(args.workers))
+    overrides = {k: v for k, v in {"max_images_per_request": args.max_images_per_request,
+                                   "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}.items()
+                 if v is not None}
+    config = RouterConfig.from_cli(args, **overrides)
+    try:
+        chooser = Chooser(Policy(args.routing_policy), parse_stage_policies(args.stage_policy))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    orch = OrchestratorConfig(stage_timeout_s=args.stage_timeout, parallel_encode=not args.no_parallel_encode,
+                              cache_affinity=not args.no_cache_affinity,
+                              max_inflight=args.max_inflight_requests, max_instance_load=args.max_instance_load)
+    app = build(config, list(args.workers), chooser, orch, discovery=_discovery(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
     return 0

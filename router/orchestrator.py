@@ -20,6 +20,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
 from triptych.router.planner import Chooser, Hop, NoInstanceError, plan_path, spread_images, stages_for
@@ -46,10 +49,11 @@ _EVENT_TYPES = {cls.model_fields["type"].default: cls
 class StageFailure(Exception):
     """A hop failed. `retriable` when nothing reached the client yet and another try may work."""
 
-    def __init__(self, instance: Instance, message: str, status: int = 502) -> None:
+    def __init__(self, instance: Instance, message: str, status: int = 502, stage: Stage | None = None) -> None:
         super().__init__(message)
         self.instance = instance
         self.status = status
+        self.stage = stage
 
 
 @dataclass
@@ -60,6 +64,41 @@ class OrchestratorConfig:
     cache_affinity: bool = True  # send an image to the instance whose MM cache holds it
     affinity_entries: int = 4096  # image hashes remembered (an LRU; a stale entry only costs an encode)
     abort_timeout_s: float = 2.0
+    max_inflight: int = 512  # requests in flight before new ones get 429
+    max_instance_load: float | None = None  # 429 when every first-stage instance reports more queued work
+    retry_after_s: float = 1.0
+
+
+class RoutingMetrics:
+    """`triptych_frontend_routing_decisions_total{stage, policy, outcome}` and per-instance gauges."""
+
+    def __init__(self, registry: CollectorRegistry | None, registry_view: Registry) -> None:
+        self.decisions = Counter("triptych_frontend_routing_decisions",
+                                 "Instance choices per stage: chosen by policy, kept local, by cache "
+                                 "affinity, retried elsewhere, or refused (no instance, overloaded)",
+                                 ["stage", "policy", "outcome"], registry=registry)
+        self.hop_seconds = Histogram("triptych_frontend_hop_seconds",
+                                     "Wall time of one stage call (a hop) seen from the router",
+                                     ["stages", "outcome"], registry=registry,
+                                     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        view = registry_view
+
+        class _Instances(Collector):
+            def collect(self):  # type: ignore[no-untyped-def]
+                load = GaugeMetricFamily("triptych_frontend_instance_load",
+                                         "Queued work each instance reported at its last health probe",
+                                         labels=["instance", "role"])
+                ready = GaugeMetricFamily("triptych_frontend_instance_ready", "1 when routable",
+                                          labels=["instance", "role"])
+                for inst in view.instances.values():
+                    labels = [inst.url, inst.role.value if inst.role else "unassigned"]
+                    load.add_metric(labels, inst.load)
+                    ready.add_metric(labels, float(inst.ready and not inst.draining))
+                yield load
+                yield ready
+
+        if registry is not None:
+            registry.register(_Instances())
 
 
 @dataclass
@@ -73,12 +112,15 @@ class RequestTrace:
 
 class Orchestrator:
     def __init__(self, registry: Registry, client: httpx.AsyncClient, chooser: Chooser | None = None,
-                 config: OrchestratorConfig | None = None) -> None:
+                 config: OrchestratorConfig | None = None,
+                 metrics_registry: CollectorRegistry | None = None) -> None:
         self.registry = registry
         self.client = client
         self.chooser = chooser or Chooser()
         self.config = config or OrchestratorConfig()
         self.affinity = AffinityIndex(self.config.affinity_entries)
+        self.metrics = RoutingMetrics(metrics_registry, registry)
+        self.inflight = 0
 
     # -- Backend protocol -------------------------------------------------------------
     def ready(self) -> bool:
@@ -93,10 +135,16 @@ class Orchestrator:
             status = "ok"
         else:
             status = "degraded"
-        return {"status": status, "roles": roles, "stages": stages}
+        instances = [{"url": i.url, "role": i.role.value if i.role else "unassigned", "ready": i.ready,
+                      "draining": i.draining, "load": i.load, "instance_id": i.instance_id}
+                     for i in self.registry.instances.values()]
+        return {"status": status, "roles": roles, "stages": stages, "instances": instances,
+                "inflight": self.inflight}
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        self._admit(req)
         touched: set[str] = set()
+        self.inflight += 1
         try:
             async for event in self._generate(req, touched):
                 yield event
@@ -106,6 +154,23 @@ class Orchestrator:
         except BackendError:
             await self._abort(req.request_id, touched)
             raise
+        finally:
+            self.inflight -= 1
+
+    def _admit(self, req: GenerationRequest) -> None:
+        """Overload control: refuse with 429 + Retry-After instead of queueing without bound."""
+        cfg = self.config
+        first = stages_for(bool(req.mm_items))[0]
+        if self.inflight >= cfg.max_inflight:
+            self.metrics.decisions.labels(first.value, self.chooser.policy_for(first).value, "overloaded").inc()
+            raise BackendError(429, f"server busy: {self.inflight} requests in flight (limit {cfg.max_inflight})",
+                               retry_after=cfg.retry_after_s)
+        capable = self.registry.capable(first)
+        if cfg.max_instance_load is not None and capable and all(
+                i.load + i.inflight > cfg.max_instance_load for i in capable):
+            self.metrics.decisions.labels(first.value, self.chooser.policy_for(first).value, "overloaded").inc()
+            raise BackendError(429, f"server busy: every {first.value} instance has more than "
+                                    f"{cfg.max_instance_load:g} queued", retry_after=cfg.retry_after_s)
 
     # -- the request path -------------------------------------------------------------
     async def _generate(self, req: GenerationRequest, touched: set[str]) -> AsyncIterator[TokenEvent]:
@@ -116,7 +181,10 @@ class Orchestrator:
             try:
                 hops = plan_path(self.registry, self.chooser, stages, excluded)
             except NoInstanceError as exc:
-                raise BackendError(503, str(exc), retry_after=1.0) from exc
+                self.metrics.decisions.labels(exc.stage.value, self.chooser.policy_for(exc.stage).value,
+                                              "no_instance").inc()
+                raise BackendError(503, str(exc), retry_after=self.config.retry_after_s) from exc
+            self._count_hops(hops)
             started = False
             try:
                 async for event in self._run_hops(req, hops, touched, excluded):
@@ -130,8 +198,17 @@ class Orchestrator:
                 if started:
                     raise BackendError(failure.status, f"request failed after streaming began: {failure}") \
                         from failure
+                stage = failure.stage or Stage.PREFILL
+                self.metrics.decisions.labels(stage.value, self.chooser.policy_for(stage).value, "retried").inc()
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, failure)
         raise BackendError(503, f"request failed on every attempt: {last_error}", retry_after=1.0)
+
+    def _count_hops(self, hops: list[Hop]) -> None:
+        for hop in hops:
+            first, *rest = hop.stages
+            self.metrics.decisions.labels(first.value, self.chooser.policy_for(first).value, "chosen").inc()
+            for stage in rest:
+                self.metrics.decisions.labels(stage.value, self.chooser.policy_for(stage).value, "kept_local").inc()
 
     async def _run_hops(self, req: GenerationRequest, hops: list[Hop], touched: set[str],
                         excluded: set[str]) -> AsyncIterator[TokenEvent]:
@@ -178,7 +255,11 @@ class Orchestrator:
         else:
             picks = [first.instance] * len(hashes)
         if self.config.cache_affinity:
-            picks = [self.affinity.holder(h, self.registry, excluded) or p for h, p in zip(hashes, picks, strict=True)]
+            held = [self.affinity.holder(h, self.registry, excluded) for h in hashes]
+            for holder in held:
+                if holder is not None:
+                    self.metrics.decisions.labels("encode", "cache-affinity", "affinity").inc()
+            picks = [h or p for h, p in zip(held, picks, strict=True)]
         keep_local = first.stages != [Stage.ENCODE]
         remote: dict[str, list[str]] = {}
         local: dict[str, str] = {}
@@ -214,6 +295,8 @@ class Orchestrator:
         timeout = httpx.Timeout(connect=5.0, read=self.config.stage_timeout_s, write=30.0, pool=5.0)
         inst.inflight += 1
         started = time.monotonic()
+        label = "".join(s.value[0].upper() for s in sreq.stages)
+        outcome = "error"
         try:
             async with self.client.stream("POST", f"{inst.url}/internal/run", content=sreq.model_dump_json(),
                                           headers={"content-type": "application/json"},
@@ -233,13 +316,19 @@ class Orchestrator:
                             raise BackendError(event.status, event.message)
                         raise StageFailure(inst, f"{inst.url}: {event.message}", status=event.status)
                     yield event
+            outcome = "ok"
+        except StageFailure as failure:
+            failure.stage = failure.stage or sreq.stages[0]
+            raise
         except httpx.TimeoutException as exc:
             raise StageFailure(inst, f"{inst.url} timed out after {time.monotonic() - started:.1f}s",
-                               status=504) from exc
+                               status=504, stage=sreq.stages[0]) from exc
         except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
-            raise StageFailure(inst, f"{inst.url} failed: {type(exc).__name__}: {exc}") from exc
+            raise StageFailure(inst, f"{inst.url} failed: {type(exc).__name__}: {exc}",
+                               stage=sreq.stages[0]) from exc
         finally:
             inst.inflight -= 1
+            self.metrics.hop_seconds.labels(label, outcome).observe(time.monotonic() - started)
 
     async def _abort(self, request_id: str, urls: set[str]) -> None:
         """Best effort: tell every instance the request touched to drop it and free its blocks."""

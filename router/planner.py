@@ -40,23 +40,45 @@ class Hop:
 
 @dataclass
 class Chooser:
-    """Picks one instance among candidates by a policy; round-robin keeps a cursor per stage."""
+    """Picks one instance among candidates by the stage's policy (`policy` unless
+    `per_stage` overrides it); round-robin keeps a cursor per stage."""
 
     policy: Policy = Policy.ROUND_ROBIN
+    per_stage: dict[Stage, Policy] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
     _cursors: dict[Stage, itertools.count] = field(default_factory=dict)
+
+    def policy_for(self, stage: Stage) -> Policy:
+        return self.per_stage.get(stage, self.policy)
 
     def choose(self, stage: Stage, candidates: Sequence[Instance]) -> Instance:
         if not candidates:
             raise NoInstanceError(stage)
         ordered = sorted(candidates, key=lambda i: i.url)
-        if self.policy is Policy.LEAST_LOADED:
+        policy = self.policy_for(stage)
+        if policy is Policy.LEAST_LOADED:
             return min(ordered, key=_pressure)
-        if self.policy is Policy.POWER_OF_TWO and len(ordered) > 1:
+        if policy is Policy.POWER_OF_TWO and len(ordered) > 1:
             a, b = self.rng.sample(ordered, 2)
             return a if _pressure(a) <= _pressure(b) else b
         cursor = self._cursors.setdefault(stage, itertools.count())
         return ordered[next(cursor) % len(ordered)]
+
+
+def parse_stage_policies(specs: Sequence[str]) -> dict[Stage, Policy]:
+    """`["encode=least-loaded", "decode=power-of-two"]` -> {Stage.ENCODE: ..., ...}."""
+    out: dict[Stage, Policy] = {}
+    for spec in specs:
+        stage, sep, policy = spec.partition("=")
+        try:
+            if not sep:
+                raise ValueError(spec)
+            out[Stage(stage.strip())] = Policy(policy.strip())
+        except ValueError:
+            raise ValueError(f"bad stage policy {spec!r}; expected STAGE=POLICY with STAGE in "
+                             f"{', '.join(s.value for s in Stage)} and POLICY in "
+                             f"{', '.join(p.value for p in Policy)}") from None
+    return out
 
 
 def _pressure(inst: Instance) -> tuple[float, int]:

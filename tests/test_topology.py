@@ -13,13 +13,14 @@ from triptych.topology import InstanceType, Stage, TopologyError, format_topolog
         ("ED1P", {InstanceType.ED: 1, InstanceType.P: 1}),
         ("1E1PD", {InstanceType.E: 1, InstanceType.PD: 1}),
         ("1e1ep1p1d", {InstanceType.E: 1, InstanceType.EP: 1, InstanceType.P: 1, InstanceType.D: 1}),
+        ("2P1D", {InstanceType.P: 2, InstanceType.D: 1}),  # text-only: no encoder needed
     ],
 )
 def test_parse_topology(spec, expected):
     assert parse_topology(spec) == expected
 
 
-@pytest.mark.parametrize("spec", ["", "X", "1E1P", "2Q", "E P D"])
+@pytest.mark.parametrize("spec", ["", "X", "1E1P", "2Q", "E P D", "1E1D", "0EPD"])
 def test_bad_topology(spec):
     with pytest.raises(TopologyError):
         parse_topology(spec)

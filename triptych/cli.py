@@ -122,6 +122,23 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
                    help="static: --workers; kubernetes: watch the worker pods of --k8s-deployment")
     p.add_argument("--k8s-namespace", default=None, help="namespace of the worker pods (kubernetes discovery)")
     p.add_argument("--k8s-deployment", default=None, help="MLLMDeployment name (kubernetes discovery)")
+    p.add_argument("--routing-policy", choices=("round-robin", "least-loaded", "power-of-two"),
+                   default="round-robin", help="instance choice for every stage")
+    p.add_argument("--stage-policy", action="append", default=[], metavar="STAGE=POLICY",
+                   help="override the policy of one stage, e.g. encode=least-loaded (repeatable)")
+    p.add_argument("--no-parallel-encode", action="store_true",
+                   help="encode all of a request's images on one instance (no IRP)")
+    p.add_argument("--no-cache-affinity", action="store_true",
+                   help="do not send a known image to the instance that holds its embedding")
+    p.add_argument("--max-inflight-requests", type=int, default=512,
+                   help="over this many requests in flight, new ones get 429 with Retry-After")
+    p.add_argument("--max-instance-load", type=float, default=None,
+                   help="429 when every instance of a request's first stage reports more queued work")
+    p.add_argument("--stage-timeout", type=float, default=60.0,
+                   help="longest silence (s) allowed on a stage call before it counts as failed")
+    p.add_argument("--max-images-per-request", type=int, default=None)
+    p.add_argument("--ttft-slo", type=float, default=None, help="seconds, for the SLO attainment metrics")
+    p.add_argument("--tbt-slo", type=float, default=None, help="seconds, for the SLO attainment metrics")
     p.set_defaults(func=_lazy("triptych.router.main:cli_main"))
 
 

@@ -16,7 +16,6 @@ import asyncio
 import base64
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +27,9 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
 from triptych.topology import UNASSIGNED, InstanceType, Stage
@@ -65,6 +66,36 @@ STAGE_SECONDS: Histogram = registry_metric(
     Histogram, "triptych_worker_stage_seconds",
     "Per-request stage latency on this instance (HydraInfer §5.5 breakdown)", ["role", "stage", "phase"],
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+
+class _InstanceCollector(Collector):
+    """Queue depths and cache occupancy, read from the engine at scrape time."""
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        inst = self.instance
+        labels = ["instance", "role"]
+        values = [inst.settings.instance_id, inst.role]
+        queue = GaugeMetricFamily("triptych_worker_requests", "Requests on this instance by state",
+                                  labels=[*labels, "state"])
+        blocks = GaugeMetricFamily("triptych_worker_cache_blocks", "Cache blocks by cache and state",
+                                   labels=[*labels, "cache", "state"])
+        leases = GaugeMetricFamily("triptych_worker_leases_outstanding", "Hand-overs not yet pulled",
+                                   labels=labels)
+        leases.add_metric(values, inst.leases.outstanding())
+        if inst.engine is not None:
+            stats = inst.engine.stats()
+            for state in ("waiting", "running", "parked"):
+                queue.add_metric([*values, state], stats[f"num_{state}"])
+            for cache in ("kv_cache", "mm_cache"):
+                for state in ("used", "free", "referenced"):
+                    if cache in stats and state in stats[cache]:
+                        blocks.add_metric([*values, cache.removesuffix("_cache"), state], stats[cache][state])
+        yield queue
+        yield blocks
+        yield leases
 
 
 class WorkerSettings(BaseModel):
@@ -341,10 +372,13 @@ def create_app(settings: WorkerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        collector = _InstanceCollector(inst)
+        REGISTRY.register(collector)
         if settings.role != UNASSIGNED:
             await inst.switch(settings.role)
         yield
         inst._teardown()
+        REGISTRY.unregister(collector)
 
     app = FastAPI(title="triptych worker", lifespan=lifespan)
     app.state.instance = inst
@@ -405,6 +439,28 @@ def create_app(settings: WorkerSettings) -> FastAPI:
     return app
 
 
+class DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT drain first: the instance reports `draining` (the router stops routing
+    to it), refuses new stage runs with 503, finishes in-flight work and outstanding
+    hand-overs (bounded by drain_timeout_s), then exits. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, instance: Instance) -> None:
+        super().__init__(config)
+        self.instance = instance
+        self._drain_task: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._drain_task is not None or self.instance.engine is None:
+            return super().handle_exit(sig, frame)
+        log.info("signal %s: draining before exit", sig)
+        self.instance.draining = True
+        self._drain_task = asyncio.get_event_loop().create_task(self._drain_then_exit(sig, frame))
+
+    async def _drain_then_exit(self, sig: int, frame: Any) -> None:
+        await self.instance._drain()
+        super().handle_exit(sig, frame)
+
+
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     threads = args.threads or int(os.environ.get("TRIPTYCH_THREADS", "0")) or None
@@ -415,9 +471,8 @@ def cli_main(args: argparse.Namespace) -> int:
         dtype=args.dtype, device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         num_mm_blocks=args.num_mm_blocks, transfer_require=args.transfer_require,
         lease_seconds=args.lease_seconds, pull_timeout_s=min(20.0, args.lease_seconds * 0.66))
-    config = uvicorn.Config(create_app(settings), host=args.host, port=args.port, log_level="warning",
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30)
-    server = uvicorn.Server(config)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
-    server.run()
+    DrainingServer(config, app.state.instance).run()
     return 0

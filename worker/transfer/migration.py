@@ -107,16 +107,19 @@ def pump_once(engine: TransferEngine, table: LeaseTable) -> int:
     return released + len(table.expire())
 
 
-async def run_lease_pump(engine: TransferEngine, table: LeaseTable, interval_s: float = 0.005) -> None:
-    """Run `pump_once` every `interval_s` until cancelled (start with asyncio.create_task).
+async def run_lease_pump(engine: TransferEngine, table: LeaseTable, interval_s: float = 0.005,
+                         idle_interval_s: float = 0.1) -> None:
+    """Run `pump_once` until cancelled (start with asyncio.create_task): every `interval_s`
+    while leases are outstanding, every `idle_interval_s` otherwise.
 
     Polling is a non-blocking call into the agent, cheap enough for the event loop; a
-    short interval keeps the source's blocks held no longer than needed."""
-    if interval_s <= 0:
-        raise ValueError(f"interval_s must be > 0, got {interval_s}")
+    short interval keeps the source's blocks held no longer than needed, and the idle
+    interval keeps an instance with nothing handed out from burning a core."""
+    if interval_s <= 0 or idle_interval_s <= 0:
+        raise ValueError(f"intervals must be > 0, got {interval_s}, {idle_interval_s}")
     while True:
         try:
             pump_once(engine, table)
         except Exception:
             logger.exception("lease pump iteration failed")
-        await asyncio.sleep(interval_s)
+        await asyncio.sleep(interval_s if table.outstanding() else idle_interval_s)
