@@ -4,7 +4,8 @@ runtime in a thread, the tests playing the controllers that kmock does not run.
 No API server can run here (DESIGN.md). kmock 0.8 emulates object storage and watches; this
 subclass adds the few API-server behaviours the operator relies on:
   - server-side apply (PATCH application/apply-patch+yaml) creates a missing object and,
-    for an existing one, makes the applied fields the object's content (one field manager);
+    for an existing one, replaces the fields it sends (spec, data, ...) as the only field
+    manager would, merging labels and annotations and keeping the status;
   - `generateName`, uid, resourceVersion, creationTimestamp and metadata.generation.
 The tests then play the ReplicaSet controller (create pods from a Deployment's template,
 delete the lowest pod-deletion-cost pods on scale-down) and the kubelet (podIP, Ready).

@@ -141,7 +141,8 @@ async def test_spec_change_patches_only_the_changed_objects(env: Env) -> None:
     for r in writes:
         assert r.method == "PATCH" and r.headers["Content-Type"] == APPLY
         assert r.params == {"fieldManager": names.FIELD_MANAGER, "force": "true"}
-    assert sent(writes[-1])["spec"]["replicas"] == 3 if writes[-1].name == "demo-llm" else True
+    (scaled,) = [r for r in writes if r.name == "demo-llm"]
+    assert sent(scaled)["spec"]["replicas"] == 3 and sent(scaled)["metadata"]["name"] == "demo-llm"
     assert {res: set(objs) for res, objs in children(env).items()} == before  # no duplicates
     assert env.api.get("apps/v1/deployments", "demo-enc")["spec"]["replicas"] == 1
     mllm = env.cluster.mllm("demo")
