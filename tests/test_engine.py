@@ -152,6 +152,17 @@ def test_p_instance_needs_pulled_embeddings(qwen2_vl_dir: Path) -> None:
         p.add_request(to_request(proc, make_cases(2)[1], "z"))
 
 
+def test_refused_decode_request_gives_its_reserved_blocks_back(qwen2_vl_dir: Path) -> None:
+    d = _engine(qwen2_vl_dir, InstanceType.D)
+    ids = d.reserve_kv(20)
+    assert d.kv.num_used == 2
+    bad = Request("d", [5] * 20, _params(), stages={Stage.DECODE},
+                  prefilled=PrefilledKV(ids, 20, first_token=d.spec.vocab_size))
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        d.add_request(bad)
+    assert d.kv.num_used == 0
+
+
 def test_prefill_only_request_that_finishes_at_token_one_frees_its_blocks(qwen2_vl_dir: Path) -> None:
     proc = processor(qwen2_vl_dir)
     p = _engine(qwen2_vl_dir, InstanceType.EP)

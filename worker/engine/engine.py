@@ -163,12 +163,20 @@ class Engine:
 
     # --- requests in ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Validate `req` (raises `InvalidRequestError` subclasses) and queue it."""
-        self._validate(req)
-        with self._lock:
-            if req.request_id in self._known_ids:
-                raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
-            self._known_ids.add(req.request_id)
+        """Validate `req` (raises `InvalidRequestError` subclasses) and queue it.
+
+        KV blocks passed in `req.prefilled` belong to the engine from this call on: they
+        are freed when the request ends, or right here if it is refused."""
+        try:
+            self._validate(req)
+            with self._lock:
+                if req.request_id in self._known_ids:
+                    raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+                self._known_ids.add(req.request_id)
+        except Exception:
+            if req.prefilled is not None:
+                self._free_refused_blocks(req.prefilled.block_ids)
+            raise
         self._inbox.append(("add", req))
         self._wakeup.set()
 
@@ -181,6 +189,16 @@ class Engine:
         """A parked request's hand-off is done (the next instance pulled it): free it."""
         self._inbox.append(("release", request_id))
         self._wakeup.set()
+
+    def _free_refused_blocks(self, block_ids: list[int]) -> None:
+        if self.kv is None:
+            return
+        with self._lock:
+            for block in block_ids:
+                try:
+                    self.kv.free([block])
+                except ValueError:
+                    pass  # not a block this engine handed out
 
     def _validate(self, req: Request) -> None:
         if not req.stages:
@@ -285,6 +303,13 @@ class Engine:
         assert self.kv is not None
         with self._lock:
             self.kv.free(block_ids)
+
+    def acquire_mm(self, content_hash: str) -> MMEntry | None:
+        """A reference to a cached embedding (None if absent); `release_mm` it when done."""
+        if self.mm is None:
+            return None
+        with self._lock:
+            return self.mm.acquire(content_hash)
 
     def reserve_mm(self, content_hash: str, num_rows: int) -> MMEntry:
         """MM blocks for an embedding to be written from elsewhere; `commit_mm` when written,
@@ -689,15 +714,20 @@ class Engine:
                 continue
             try:
                 outputs = self.step()
-            except Exception:  # keep the loop alive; requests were failed in step
+            except Exception as exc:  # a bug outside the model calls: fail everything, keep serving
                 log.exception("engine step failed")
-                continue
+                outputs = self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
                 if sink is not None:
                     sink(out)
             if not any(out.new_token_ids or out.finished for out in outputs) and self.scheduler.has_work:
                 time.sleep(0.001)  # waiting on something external (a pull); don't spin hot
+
+    def _fail_all(self, why: str) -> list[RequestOutput]:
+        with self._lock:
+            self._drain_inbox([])
+            return [self._finish(r, FinishReason.ERROR, why) for r in list(self._requests.values())]
 
     async def generate(self, req: Request, timeout_s: float | None = 600.0) -> AsyncIterator[RequestOutput]:
         """Stream a request's output deltas; the last one has `finished=True`. Leaving the
@@ -707,10 +737,13 @@ class Engine:
             self.start()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        if self._sinks.setdefault(req.request_id, queue) is not queue:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
         self._sinks[req.request_id] = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
-        done = False
+        done = added = False
         try:
             self.add_request(req)
+            added = True
             deadline = None if timeout_s is None else loop.time() + timeout_s
             while not done:
                 remaining = None if deadline is None else max(0.0, deadline - loop.time())
@@ -719,7 +752,7 @@ class Engine:
                 yield out
         finally:
             self._sinks.pop(req.request_id, None)
-            if not done:
+            if added and not done:
                 self.abort(req.request_id)
 
 

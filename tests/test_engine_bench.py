@@ -1,0 +1,32 @@
+"""`triptych bench engine` runs end to end (tiny model, small settings) and reports JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from triptych.cli import main
+
+
+@pytest.mark.slow
+def test_bench_engine_json(capsys: pytest.CaptureFixture[str], qwen2_vl_dir: Path) -> None:
+    before = torch.get_num_threads()
+    try:
+        assert main(["bench", "engine", "--model", str(qwen2_vl_dir), "--concurrency", "1", "2",
+                     "--output-len", "3", "--threads", "1", "--json"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["speedup_concurrency"] == 2
+    assert report["speedup_vs_transformers"] == report["multimodal"]["2"]["speedup"] > 0
+    for c in ("1", "2"):
+        mm = report["multimodal"][c]
+        assert mm["triptych"]["output_tokens"] == mm["transformers generate()"]["output_tokens"] == 3 * 4
+        assert mm["identical_outputs"] == 4  # same greedy tokens as transformers
+        assert set(mm["triptych"]["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
+    text = report["text_only"]
+    assert "unavailable" in text or all(text[c].get("identical_outputs") == 4 or "error" in text[c]
+                                        for c in ("1", "2"))

@@ -1,0 +1,401 @@
+"""`triptych bench engine`: our engine against transformers on CPU, same requests.
+
+Multimodal set (one image + a prompt per request), closed loop at each concurrency c
+(2c requests, a new one submitted as soon as one finishes):
+- ours: continuous batching, every decode of the batch in one forward, chunked prefill;
+- transformers `generate()`: static batches of c (left padded), the usual way to batch it.
+Both fp32, SDPA attention, the same torch thread count, EOS ignored so every request
+produces exactly `--output-len` tokens. TTFT counts from submission (preprocessing
+included on both sides); TPOT is a request's (last token - first token) / (n - 1).
+
+Text-only set: ours against transformers' continuous batching `generate_batch` (when the
+installed version has it; its scheduler does not take M-RoPE models, so it runs the
+checkpoint's language model as a plain `*ForCausalLM` with the same weights, which
+computes the same thing for text), all requests submitted at once, c at a time.
+
+Each measurement is the best of REPEATS runs: the figures are for a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from triptych.sampling_params import SamplingParams
+
+REPEATS = 2
+PROMPTS = [
+    "Describe this image.",
+    "What is in the picture? Answer in one sentence.",
+    "List the colours you can see, from the most to the least common.",
+    "Is there a person in this photo? If so, what are they doing and where are they?",
+    "Write a short caption for the image.",
+    "How many objects are visible, and which one is the largest?",
+]
+IMAGE_SIZES = [(224, 224), (196, 168), (168, 224), (224, 140)]
+
+
+@dataclass
+class RunResult:
+    wall_s: float
+    output_tokens: int
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    def summary(self) -> dict[str, Any]:
+        return {"wall_s": round(self.wall_s, 3), "output_tokens": self.output_tokens,
+                "output_tokens_per_s": round(self.tokens_per_s, 2),
+                "ttft_ms": _percentiles(self.ttft_s), "tpot_ms": _percentiles(self.tpot_s)}
+
+
+def _percentiles(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    ordered = sorted(values)
+
+    def pick(q: float) -> float:
+        return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": round(1000 * statistics.mean(values), 2)}
+
+
+def best_of(run: Callable[[], RunResult], repeats: int = REPEATS) -> RunResult:
+    return max((run() for _ in range(repeats)), key=lambda r: r.tokens_per_s)
+
+
+@dataclass
+class Case:
+    messages: list[dict[str, Any]]
+    images: list[Any]
+
+
+def multimodal_cases(n: int, seed: int = 0) -> list[Case]:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    cases = []
+    for i in range(n):
+        w, h = IMAGE_SIZES[i % len(IMAGE_SIZES)]
+        img = Image.fromarray(rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8), mode="RGB")
+        content = [{"type": "image"}, {"type": "text", "text": PROMPTS[i % len(PROMPTS)]}]
+        cases.append(Case([{"role": "user", "content": content}], [img]))
+    return cases
+
+
+def text_cases(n: int) -> list[Case]:
+    return [Case([{"role": "user", "content": [{"type": "text", "text": " ".join([PROMPTS[i % len(PROMPTS)]] * (1 + i % 3))}]}],
+                 []) for i in range(n)]
+
+
+# --- ours ---------------------------------------------------------------------------------
+
+class Ours:
+    def __init__(self, model_dir: Path) -> None:
+        from triptych.processor import MultimodalProcessor
+
+        self.model_dir = model_dir
+        self.proc = MultimodalProcessor.from_pretrained(model_dir)
+        self._engines: dict[int, Any] = {}
+
+    def engine(self, concurrency: int) -> Any:
+        from triptych.worker.engine import Engine, EngineConfig
+
+        if concurrency not in self._engines:
+            self._engines = {concurrency: Engine(EngineConfig(model=str(self.model_dir), max_num_seqs=concurrency,
+                                                              detokenize=False))}
+        return self._engines[concurrency]
+
+    def closed_loop(self, cases: list[Case], concurrency: int, output_len: int) -> RunResult:
+        """Keep `concurrency` requests in flight; each is processed when submitted."""
+        from triptych.worker.engine import Request
+
+        engine = self.engine(concurrency)
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        queue = deque(enumerate(cases))
+        live: dict[str, Any] = {}
+        done: list[Any] = []
+        start = time.monotonic()
+        while queue or live:
+            while queue and len(live) < concurrency:
+                i, case = queue.popleft()
+                arrival = time.monotonic()
+                p = self.proc.process(case.messages, case.images)
+                req = Request(f"r{i}", p.token_ids, params, mm_items=p.mm_items,
+                              images={it.content_hash: im.image for it, im in zip(p.mm_items, p.images, strict=True)})
+                req.timings.arrival = arrival
+                engine.add_request(req)
+                live[req.request_id] = req
+            for out in engine.step():
+                if out.finished:
+                    done.append(live.pop(out.request_id))
+        return _result(time.monotonic() - start, done)
+
+    def all_at_once(self, cases: list[Case], concurrency: int, output_len: int) -> RunResult:
+        """Every request submitted at t0 (as generate_batch gets them), `concurrency` at a time."""
+        from triptych.worker.engine import Request
+
+        engine = self.engine(concurrency)
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        start = time.monotonic()
+        reqs = [Request(f"t{i}", self.proc.process(c.messages).token_ids, params) for i, c in enumerate(cases)]
+        for r in reqs:
+            r.timings.arrival = start
+        engine.generate_batch(reqs)
+        return _result(time.monotonic() - start, reqs)
+
+
+def _result(wall: float, reqs: list[Any]) -> RunResult:
+    bad = [r.error for r in reqs if r.error]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed: {bad[0]}")
+    result = RunResult(wall, sum(len(r.output_token_ids) for r in reqs))
+    for r in sorted(reqs, key=lambda r: int(r.request_id[1:])):
+        t = r.timings
+        result.ttft_s.append(t.first_token - t.arrival)
+        if len(t.token_times) > 1:
+            result.tpot_s.append((t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1))
+        result.outputs.append(list(r.output_token_ids))
+    return result
+
+
+# --- transformers -------------------------------------------------------------------------
+
+_MODEL_CLASSES = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                  "llava": "LlavaForConditionalGeneration"}
+
+
+def _model_type(model_dir: Path) -> str:
+    return json.loads((model_dir / "config.json").read_text())["model_type"]
+
+
+def hf_model(model_dir: Path) -> Any:
+    import transformers
+
+    cls = getattr(transformers, _MODEL_CLASSES[_model_type(model_dir)])
+    return cls.from_pretrained(str(model_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def hf_text_model(vl_model: Any) -> Any:
+    """The VL checkpoint's language model as a plain causal LM with the same weights. For
+    text-only input Qwen's M-RoPE positions are equal on all axes, i.e. plain RoPE."""
+    import transformers
+
+    cfg = {k: v for k, v in vl_model.config.text_config.to_dict().items()
+           if k not in ("model_type", "architectures", "transformers_version")}
+    if vl_model.config.model_type == "llava":
+        config = transformers.AutoConfig.for_model(vl_model.config.text_config.model_type, **cfg)
+    else:
+        cfg.get("rope_parameters", {}).pop("mrope_section", None)
+        config = transformers.Qwen2Config(**cfg)
+    config._attn_implementation = "sdpa"
+    lm = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = {f"model.{k}": v for k, v in vl_model.model.language_model.state_dict().items()}
+    state["lm_head.weight"] = vl_model.lm_head.weight
+    lm.load_state_dict(state, strict=True)
+    return lm
+
+
+def hf_processor(model_dir: Path) -> Any:
+    """The family's HF processor. Qwen's needs torchvision for its video half, which cannot
+    be installed next to our torch; the image half is built without it."""
+    import transformers
+
+    model_type = _model_type(model_dir)
+    if model_type == "llava":
+        proc = transformers.AutoProcessor.from_pretrained(str(model_dir))
+    else:
+        cls = transformers.Qwen2VLProcessor if model_type == "qwen2_vl" else transformers.Qwen2_5_VLProcessor
+
+        class ImageOnly(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None,
+                         **kwargs: Any) -> None:
+                super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+        proc = ImageOnly(image_processor=transformers.AutoImageProcessor.from_pretrained(str(model_dir)),
+                         tokenizer=transformers.AutoTokenizer.from_pretrained(str(model_dir)),
+                         chat_template=(model_dir / "chat_template.jinja").read_text())
+    proc.tokenizer.padding_side = "left"
+    return proc
+
+
+class _StepClock:
+    """A logits processor that only timestamps each generation step of the batch."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.monotonic())
+        return scores
+
+
+class Transformers:
+    def __init__(self, model_dir: Path) -> None:
+        self.model = hf_model(model_dir)
+        self.proc = hf_processor(model_dir)
+        tok = self.proc.tokenizer
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self._text_model: Any = None
+
+    def static_batches(self, cases: list[Case], concurrency: int, output_len: int) -> RunResult:
+        from transformers import LogitsProcessorList
+
+        result = RunResult(0.0, 0)
+        start = time.monotonic()
+        for i in range(0, len(cases), concurrency):
+            batch = cases[i:i + concurrency]
+            arrival = time.monotonic()
+            texts = [self.proc.apply_chat_template(c.messages, tokenize=False, add_generation_prompt=True)
+                     for c in batch]
+            images = [img for c in batch for img in c.images] or None
+            inputs = self.proc(text=texts, images=images, padding=True, return_tensors="pt")
+            clock = _StepClock()
+            with torch.inference_mode():
+                out = self.model.generate(**inputs, max_new_tokens=output_len, min_new_tokens=output_len,
+                                          do_sample=False, num_beams=1, pad_token_id=self.pad,
+                                          logits_processor=LogitsProcessorList([clock]))
+            new = out[:, inputs["input_ids"].shape[1]:]
+            assert new.shape[1] == output_len
+            times = clock.times
+            for row in new.tolist():
+                result.ttft_s.append(times[0] - arrival)
+                result.tpot_s.append((times[-1] - times[0]) / (len(times) - 1))
+                result.outputs.append(row)
+            result.output_tokens += len(batch) * output_len
+        result.wall_s = time.monotonic() - start
+        return result
+
+    @property
+    def has_continuous_batching(self) -> bool:
+        return callable(getattr(self.model, "generate_batch", None))
+
+    def continuous(self, cases: list[Case], concurrency: int, output_len: int) -> RunResult:
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        if self._text_model is None:
+            self._text_model = hf_text_model(self.model)
+        ids = [self.proc.tokenizer.apply_chat_template(c.messages, tokenize=True, add_generation_prompt=True)
+               for c in cases]
+        ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+        longest = max(len(x) for x in ids) + output_len
+        gen = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1)
+        cb = ContinuousBatchingConfig(max_requests_per_batch=concurrency, page_size=16,
+                                      num_blocks=concurrency * (longest // 16 + 2), max_batch_tokens=2048)
+        start = time.perf_counter()  # transformers stamps tokens with perf_counter
+        # No inference_mode here: its worker thread resets tensors created under it.
+        outs = self._text_model.generate_batch(inputs=ids, generation_config=gen, continuous_batching_config=cb,
+                                               record_timestamps=True, progress_bar=False)
+        result = RunResult(time.perf_counter() - start, 0)
+        failed = [o.error for o in outs.values() if o.error or len(o.generated_tokens) != output_len]
+        if failed or len(outs) != len(ids):
+            raise RuntimeError(f"generate_batch: {len(failed)} of {len(ids)} requests failed: {failed[:1]}")
+        for o in sorted(outs.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[-1])):
+            result.output_tokens += len(o.generated_tokens)
+            stamps = list(o.timestamps or [])
+            if stamps:
+                result.ttft_s.append(stamps[0] - start)
+            if len(stamps) > 1:
+                result.tpot_s.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+            result.outputs.append(list(o.generated_tokens))
+        return result
+
+
+# --- the command --------------------------------------------------------------------------
+
+HEADER = (f"  {'system':<30} {'tokens':>6} {'tok/s':>8}   {'TTFT p50':>8} {'p90':>8} {'p99':>8}   "
+          f"{'TPOT p50':>8} {'p90':>7} {'p99':>7}   (ms)")
+
+
+def _row(name: str, r: RunResult) -> str:
+    s = r.summary()
+    t, p = s["ttft_ms"], s["tpot_ms"]
+    return (f"  {name:<30} {r.output_tokens:>6} {s['output_tokens_per_s']:>8.1f}   "
+            f"{t.get('p50', 0):>8.1f} {t.get('p90', 0):>8.1f} {t.get('p99', 0):>8.1f}   "
+            f"{p.get('p50', 0):>8.1f} {p.get('p90', 0):>7.1f} {p.get('p99', 0):>7.1f}")
+
+
+def _same(a: RunResult, b: RunResult) -> int:
+    return sum(x == y for x, y in zip(a.outputs, b.outputs, strict=True))
+
+
+def compare(say: Callable[..., None], title: str, n: int, ours: RunResult, theirs: RunResult,
+            their_name: str) -> dict[str, Any]:
+    ratio = ours.tokens_per_s / theirs.tokens_per_s
+    same = _same(ours, theirs)
+    say(f"{title} ({n} requests)\n{HEADER}\n{_row('triptych', ours)}\n{_row(their_name, theirs)}\n"
+        f"  -> throughput ratio {ratio:.2f}x; identical token ids in {same}/{n} requests")
+    return {"requests": n, "triptych": ours.summary(), their_name: theirs.summary(), "speedup": round(ratio, 3),
+            "identical_outputs": same}
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.model:
+        model_dir = Path(args.model)
+    else:
+        from triptych.tiny_model import tiny_model_path
+
+        model_dir = tiny_model_path("qwen2-vl", size="small")
+    threads = torch.get_num_threads()
+    say: Callable[..., None] = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
+    out_len = args.output_len
+    say(f"model {model_dir} | fp32, SDPA, CPU, torch threads {threads} | {out_len} output tokens per request, "
+        f"EOS ignored | best of {REPEATS} runs")
+    report: dict[str, Any] = {"model": str(model_dir), "threads": threads, "output_len": out_len,
+                              "repeats": REPEATS, "multimodal": {}, "text_only": {}}
+    ours, theirs = Ours(model_dir), Transformers(model_dir)
+    warm = multimodal_cases(2, seed=99)
+    ours.closed_loop(warm, 1, 2)
+    theirs.static_batches(warm, 1, 2)
+
+    say("\nmultimodal: 1 image + prompt per request, closed loop; transformers generate() in static batches of c")
+    for c in args.concurrency:
+        cases = multimodal_cases(max(2 * c, 4), seed=c)
+        mine = best_of(lambda: ours.closed_loop(cases, c, out_len))  # noqa: B023 - called right here
+        base = best_of(lambda: theirs.static_batches(cases, c, out_len))  # noqa: B023
+        report["multimodal"][str(c)] = compare(say, f"concurrency {c}", len(cases), mine, base,
+                                               "transformers generate()")
+
+    say("\ntext-only, all requests submitted at once: transformers continuous batching generate_batch()")
+    if not theirs.has_continuous_batching:
+        report["text_only"] = {"unavailable": "this transformers version has no generate_batch"}
+        say("  unavailable: this transformers version has no model.generate_batch")
+    else:
+        for c in args.concurrency:
+            cases = text_cases(max(2 * c, 4))
+            mine = best_of(lambda: ours.all_at_once(cases, c, out_len))  # noqa: B023
+            try:
+                base = best_of(lambda: theirs.continuous(cases, c, out_len))  # noqa: B023
+            except Exception as exc:  # report, don't hide: its CPU path is young
+                report["text_only"][str(c)] = {"triptych": mine.summary(), "error": repr(exc)}
+                say(f"concurrency {c}: transformers generate_batch failed: {exc!r}")
+                continue
+            report["text_only"][str(c)] = compare(say, f"concurrency {c}", len(cases), mine, base,
+                                                  "transformers generate_batch()")
+
+    key = "32" if "32" in report["multimodal"] else str(max(args.concurrency))
+    report["speedup_vs_transformers"] = report["multimodal"][key]["speedup"]
+    report["speedup_concurrency"] = int(key)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"\nmultimodal throughput vs transformers generate() at concurrency {key}: "
+              f"{report['speedup_vs_transformers']:.2f}x")
+    return 0
