@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_dir
 from hf_reference import hf_inputs, hf_model, make_test_image
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from triptych.tiny_model import tiny_model_path as tiny_dir  # TRIPTYCH_CACHE: tests/conftest.py
 from triptych.worker.attention import build_metadata
 from triptych.worker.models import (
     LanguageModel,
