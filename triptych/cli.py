@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -104,6 +105,14 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     p.add_argument("--lease-seconds", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--token-budget", type=int, default=None, help="tokens per step (default: from SLO or 2048)")
+    p.add_argument("--image-budget", type=int, default=None, help="images encoded per step")
+    p.add_argument("--ttft-slo", type=float, default=None, help="seconds; budgets by start-up profiling")
+    p.add_argument("--tbt-slo", type=float, default=None, help="seconds; budgets by start-up profiling")
+    p.add_argument("--config", default=os.environ.get("TRIPTYCH_CONFIG"),
+                   help="serving config file (the operator's ConfigMap; default $TRIPTYCH_CONFIG); "
+                        "flags win over it")
     p.set_defaults(func=_lazy("triptych.worker.server:cli_main"))
 
 

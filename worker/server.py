@@ -111,6 +111,33 @@ class WorkerSettings(BaseModel):
     lease_seconds: float = 30.0
     pull_timeout_s: float = 20.0  # below lease_seconds: the source must not free mid-READ
     drain_timeout_s: float = 60.0
+    max_model_len: int | None = None
+    token_budget: int | None = None
+    image_budget: int | None = None
+    ttft_slo_s: float | None = None  # budgets from the SLO by start-up profiling (profiler.py)
+    tbt_slo_s: float | None = None
+
+
+def settings_from_serving_config(path: str) -> dict[str, Any]:
+    """Engine settings from the operator's serving config (the ConfigMap file named by
+    TRIPTYCH_CONFIG): context length, block size, and fixed budgets or SLO-derived ones."""
+    import yaml
+
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    model, slo, sched = config.get("model", {}), config.get("slo", {}), config.get("scheduling", {})
+    out: dict[str, Any] = {}
+    if model.get("maxModelLen"):
+        out["max_model_len"] = int(model["maxModelLen"])
+    if model.get("dtype"):
+        out["dtype"] = str(model["dtype"])
+    if sched.get("blockSize"):
+        out["block_size"] = int(sched["blockSize"])
+    if sched.get("budgets") == "Fixed":
+        out.update(token_budget=sched.get("tokenBudget"), image_budget=sched.get("imageBudget"))
+    elif slo:
+        out.update(ttft_slo_s=slo.get("ttftMs", 2000) / 1000, tbt_slo_s=slo.get("tbtMs", 200) / 1000)
+    return out
 
 
 class Instance:
@@ -134,7 +161,9 @@ class Instance:
         s = self.settings
         engine = Engine(EngineConfig(model=s.model, role=role, dtype=s.dtype, device=s.device,
                                      block_size=s.block_size, num_kv_blocks=s.num_kv_blocks,
-                                     num_mm_blocks=s.num_mm_blocks))
+                                     num_mm_blocks=s.num_mm_blocks, max_model_len=s.max_model_len,
+                                     token_budget=s.token_budget, image_budget=s.image_budget,
+                                     ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s))
         transfer = TransferEngine(f"{s.instance_id}-{role.value}", require=s.transfer_require)
         if engine.kv is not None:
             transfer.register("kv", engine.kv.tensor)
@@ -466,11 +495,17 @@ def cli_main(args: argparse.Namespace) -> int:
     threads = args.threads or int(os.environ.get("TRIPTYCH_THREADS", "0")) or None
     if threads:
         torch.set_num_threads(threads)
-    settings = WorkerSettings(
-        model=str(args.model), role=args.role, instance_id=args.instance_id or f"{args.role}-{args.port}",
-        dtype=args.dtype, device=args.device, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        num_mm_blocks=args.num_mm_blocks, transfer_require=args.transfer_require,
-        lease_seconds=args.lease_seconds, pull_timeout_s=min(20.0, args.lease_seconds * 0.66))
+    from_file = settings_from_serving_config(args.config) if args.config else {}
+    flags = {"max_model_len": args.max_model_len, "token_budget": args.token_budget,
+             "image_budget": args.image_budget, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}
+    settings = WorkerSettings(**{
+        "dtype": args.dtype, "block_size": args.block_size, **from_file,
+        **{k: v for k, v in flags.items() if v is not None},
+        "model": str(args.model), "role": args.role,
+        "instance_id": args.instance_id or f"{args.role}-{args.port}", "device": args.device,
+        "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
+        "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
+        "pull_timeout_s": min(20.0, args.lease_seconds * 0.66)})
     app = create_app(settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30)
