@@ -413,3 +413,29 @@ def test_real_profiling_gives_usable_budgets(qwen2_vl_dir: Path) -> None:
     assert e.token_budget == 8 * 16  # a generous SLO: capped by the KV capacity
     tight = _engine(qwen2_vl_dir, InstanceType.PD, tbt_slo_s=1e-6, token_budget=None, num_kv_blocks=8)
     assert tight.token_budget == 1  # never below one token: the engine must make progress
+
+
+async def test_an_unexpected_step_failure_fails_requests_instead_of_hanging(qwen2_vl_dir: Path) -> None:
+    proc = processor(qwen2_vl_dir)
+    e = _engine(qwen2_vl_dir)
+    schedule = e.scheduler.schedule
+    calls = {"n": 0}
+
+    def flaky() -> object:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("scheduler bug")
+        return schedule()
+
+    e.scheduler.schedule = flaky
+    try:
+        outs = [o async for o in e.generate(to_request(proc, make_cases(1)[0], "f", _params(max_tokens=20)),
+                                            timeout_s=30)]
+        assert outs[-1].finished and outs[-1].finish_reason == FinishReason.ERROR
+        assert "scheduler bug" in outs[-1].error
+        after = [o async for o in e.generate(to_request(proc, make_cases(1)[0], "g", _params(max_tokens=3)),
+                                             timeout_s=30)]
+        assert after[-1].finish_reason == FinishReason.LENGTH  # still serving
+        assert e.stats()["kv_cache"]["used"] == 0
+    finally:
+        e.stop()
