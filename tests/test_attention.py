@@ -188,3 +188,12 @@ def test_select_backend_keeps_torch_where_flashinfer_cannot_run() -> None:
     # fp32 and odd head sizes are outside FlashInfer's kernels even on CUDA.
     assert isinstance(select_backend("cuda", head_dim=16, dtype=torch.float16), TorchAttention)
     assert isinstance(select_backend("cuda", head_dim=128, dtype=torch.float32), TorchAttention)
+
+
+def test_one_backend_serves_caches_of_different_block_sizes() -> None:
+    # The backend reuses its gather buffers across steps; they must follow the cache shape.
+    backend = TorchAttention()
+    for block_size in (16, 1, 16, 4):
+        run = _PagedRun(block_size, seed=block_size)
+        assert run.step([(0, 9), (1, 1)], backend).abs().max() < 1e-5
+        assert run.step([(0, 1), (1, 1)], backend).abs().max() < 1e-5

@@ -40,6 +40,7 @@ class TorchAttention:
         self._decode: _DecodePlan | None = None
         self._prefills: list[_PrefillSeq] = []
         self._geometry: AttentionGeometry | None = None
+        self._buffers: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, head_dim]
 
     def plan(self, meta: AttentionMetadata, geometry: AttentionGeometry) -> None:
         device = meta.slot_mapping.device
@@ -112,19 +113,42 @@ class TorchAttention:
         # copies whole blocks (contiguous runs); advanced indexing of the strided per-layer
         # view copied element by element and was 2-3x slower on CPU.
         shape = (batch, -1, geo.num_kv_heads, geo.head_dim)
-        keys = kv_cache[:, layer, 0].index_select(0, plan.flat_blocks).view(shape).transpose(1, 2)
-        values = kv_cache[:, layer, 1].index_select(0, plan.flat_blocks).view(shape).transpose(1, 2)
+        key_buf, value_buf = self._gather_buffers(kv_cache, plan.flat_blocks.numel())
+        keys = torch.index_select(kv_cache[:, layer, 0], 0, plan.flat_blocks, out=key_buf)
+        values = torch.index_select(kv_cache[:, layer, 1], 0, plan.flat_blocks, out=value_buf)
+        keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
         # GQA without repeating K/V: the `group` query heads sharing a KV head become
         # that head's query rows (head h uses KV head h // group, as in transformers).
         queries = q.reshape(batch, geo.num_kv_heads, group, geo.head_dim).to(keys.dtype)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask)
         return out.reshape(batch, geo.num_heads, geo.head_dim).to(q.dtype)
 
+    def _gather_buffers(self, kv_cache: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # Reused across layers and steps: a fresh multi-MB tensor per layer costs page
+        # faults (large allocations are mmapped) that took longer than the copy itself.
+        shape = (blocks, *kv_cache.shape[3:])
+        buf = self._buffers
+        if (
+            buf is None
+            or buf.dtype != kv_cache.dtype
+            or buf.device != kv_cache.device
+            or buf.shape[2:] != kv_cache.shape[3:]
+            or buf.shape[1] < blocks
+        ):
+            buf = torch.empty(
+                (2, max(blocks, 1), *kv_cache.shape[3:]), dtype=kv_cache.dtype, device=kv_cache.device
+            )
+            self._buffers = buf
+        return buf[0, :blocks].view(shape), buf[1, :blocks].view(shape)
+
     def _prefill_one(
         self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, seq: _PrefillSeq
     ) -> torch.Tensor:
-        keys = kv_cache[:, layer, 0].index_select(0, seq.blocks).flatten(0, 1)[: seq.kv_len].transpose(0, 1)
-        values = kv_cache[:, layer, 1].index_select(0, seq.blocks).flatten(0, 1)[: seq.kv_len].transpose(0, 1)
+        key_buf, value_buf = self._gather_buffers(kv_cache, seq.blocks.numel())
+        keys = torch.index_select(kv_cache[:, layer, 0], 0, seq.blocks, out=key_buf)
+        values = torch.index_select(kv_cache[:, layer, 1], 0, seq.blocks, out=value_buf)
+        keys = keys.flatten(0, 1)[: seq.kv_len].transpose(0, 1)
+        values = values.flatten(0, 1)[: seq.kv_len].transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).to(keys.dtype),
             keys,
