@@ -17,7 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -144,15 +144,16 @@ class Orchestrator:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TokenEvent]:
         self._admit(req)
         touched: set[str] = set()
+        ids: list[str] = []  # the request's id on the workers, one per attempt
         self.inflight += 1
         try:
-            async for event in self._generate(req, touched):
+            async for event in self._generate(req, touched, ids):
                 yield event
         except (asyncio.CancelledError, GeneratorExit):
-            await self._abort(req.request_id, touched)
+            await self._abort(ids, touched)
             raise
         except BackendError:
-            await self._abort(req.request_id, touched)
+            await self._abort(ids, touched)
             raise
         finally:
             self.inflight -= 1
@@ -173,11 +174,18 @@ class Orchestrator:
                                     f"{cfg.max_instance_load:g} queued", retry_after=cfg.retry_after_s)
 
     # -- the request path -------------------------------------------------------------
-    async def _generate(self, req: GenerationRequest, touched: set[str]) -> AsyncIterator[TokenEvent]:
+    async def _generate(self, req: GenerationRequest, touched: set[str], ids: list[str]
+                        ) -> AsyncIterator[TokenEvent]:
         excluded: set[str] = set()
         stages = stages_for(bool(req.mm_items))
         last_error = "no attempt made"
-        for _attempt in range(self.config.max_attempts):
+        base_id = req.request_id
+        for attempt in range(self.config.max_attempts):
+            # A retry runs under its own id: an instance the failed attempt reached may still
+            # hold the old one (a hand-off parked until its lease is confirmed or expires),
+            # and its engine refuses a second request under an id in use.
+            req = replace(req, request_id=base_id if attempt == 0 else f"{base_id}.retry{attempt}")
+            ids.append(req.request_id)
             try:
                 hops = plan_path(self.registry, self.chooser, stages, excluded)
             except NoInstanceError as exc:
@@ -249,6 +257,9 @@ class Orchestrator:
         Returns the remaining hops, the images the first remaining hop still encodes itself,
         and the embeddings to pull from elsewhere."""
         first = hops[0]
+        # Images picked for the instance that will prefill the request are encoded in its own
+        # hop: an encode-only run there would hand embeddings to itself under the same id.
+        prefill = next(h for h in hops if Stage.PREFILL in h.stages)
         hashes = list(dict.fromkeys(m.content_hash for m in mm_items))
         if self.config.parallel_encode and len(hashes) > 1:
             picks = spread_images(self.registry, self.chooser, len(hashes), first.instance, excluded)
@@ -265,7 +276,7 @@ class Orchestrator:
         local: dict[str, str] = {}
         for h, inst in zip(hashes, picks, strict=True):
             self.affinity.remember(h, inst.url)
-            if keep_local and inst is first.instance:
+            if inst is prefill.instance:
                 local[h] = images[h]
             else:
                 remote.setdefault(inst.url, []).append(h)
@@ -275,6 +286,8 @@ class Orchestrator:
             for url, hs in remote.items()))
         sources = [s for group in results for s in group]
         rest = hops if keep_local else hops[1:]
+        if local and Stage.ENCODE not in prefill.stages:
+            prefill.stages.insert(0, Stage.ENCODE)
         return rest, local, sources
 
     async def _encode_only(self, req: GenerationRequest, inst: Instance, images: dict[str, str],
@@ -330,15 +343,16 @@ class Orchestrator:
             inst.inflight -= 1
             self.metrics.hop_seconds.labels(label, outcome).observe(time.monotonic() - started)
 
-    async def _abort(self, request_id: str, urls: set[str]) -> None:
-        """Best effort: tell every instance the request touched to drop it and free its blocks."""
-        async def one(url: str) -> None:
+    async def _abort(self, request_ids: list[str], urls: set[str]) -> None:
+        """Best effort: tell every instance the request touched to drop it (under each id its
+        attempts used) and free its blocks."""
+        async def one(url: str, request_id: str) -> None:
             try:
                 await self.client.post(f"{url}/internal/abort/{request_id}", timeout=self.config.abort_timeout_s)
             except httpx.HTTPError as exc:
                 log.debug("abort of %s on %s failed: %s", request_id, url, exc)
 
-        await asyncio.shield(asyncio.gather(*(one(u) for u in urls)))
+        await asyncio.shield(asyncio.gather(*(one(u, i) for u in urls for i in request_ids)))
 
 
 class AffinityIndex:

@@ -8,6 +8,8 @@ import asyncio
 import base64
 import json
 import math
+import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ import httpx
 from hf_reference import hf_generate, make_test_image, png_bytes
 from PIL import Image
 
-from triptych.local import LocalDeployment
+from triptych.local import LocalDeployment, Process
 from triptych.processor import MultimodalProcessor
 from triptych.tiny_model import tiny_model_path
 from triptych.topology import parse_topology
@@ -145,3 +147,77 @@ def expected_transfer_bytes(model_dir: Path, cases: list[Case], worker_stats: di
         kv_bytes += math.ceil(len(prompt.token_ids) / block_size) * kv_block
         mm_bytes += sum(math.ceil(item.length / rows) * mm_block for item in prompt.mm_items)
     return mm_bytes, kv_bytes
+
+
+# --- stats helpers shared by the hybrid-topology and failure tests -------------------------
+
+
+def stats_of(dep: LocalDeployment, skip: Collection[str] = ()) -> dict[str, dict[str, Any]]:
+    """`/admin/stats` of every worker whose name is not in `skip` (e.g. one just killed)."""
+    out = {}
+    for w in dep.workers:
+        if w.name in skip:
+            continue
+        r = httpx.get(f"{w.url}/admin/stats", timeout=10)
+        assert r.status_code == 200, (w.name, r.status_code, r.text[:500])
+        out[w.name] = r.json()
+    return out
+
+
+def _busy(s: dict[str, Any]) -> bool:
+    return bool(s.get("kv_cache", {}).get("used", 0) or s.get("mm_cache", {}).get("referenced", 0)
+                or s["leases_outstanding"] or s["inflight"] or s.get("num_running", 0)
+                or s.get("num_waiting", 0) or s.get("num_parked", 0))
+
+
+def wait_idle(dep: LocalDeployment, timeout_s: float = 30.0, skip: Collection[str] = ()) -> dict[str, dict[str, Any]]:
+    """Poll until no instance (outside `skip`) holds blocks, leases or requests; returns the
+    last stats (the caller asserts on them, so a timeout shows what was still held)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = stats_of(dep, skip)
+        if not any(_busy(s) for s in now.values()) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+def assert_no_leaks(worker_stats: dict[str, dict[str, Any]]) -> None:
+    for name, s in worker_stats.items():
+        if "kv_cache" in s:
+            assert s["kv_cache"]["used"] == 0, (name, s["kv_cache"])
+        if "mm_cache" in s:
+            assert s["mm_cache"]["referenced"] == 0, (name, s["mm_cache"])
+        assert s["leases_outstanding"] == 0 and s["inflight"] == 0, (name, s)
+        assert s.get("num_running", 0) == 0 and s.get("num_waiting", 0) == 0 and s.get("num_parked", 0) == 0, \
+            (name, s)
+
+
+def counter(worker_stats: dict[str, dict[str, Any]], name: str, role: str | None = None) -> int:
+    """Sum of one engine counter over the instances (of one role, if given)."""
+    return sum(s.get("counters", {}).get(name, 0) for s in worker_stats.values()
+               if role is None or s["role"] == role)
+
+
+def metric_sum(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample `name` on `url`/metrics over the series matching `labels`
+    (0 when no series exists yet)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        series, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def prompt_tokens(model_dir: Path, cases: list[Case]) -> int:
+    """Prompt tokens (image placeholders expanded) of all the cases together."""
+    proc = MultimodalProcessor.from_pretrained(model_dir)
+    return sum(len(proc.process(c.hf_messages(), c.images).token_ids) for c in cases)
+
+
+def worker(dep: LocalDeployment, role: str, index: int = 0) -> Process:
+    """The `index`-th worker process started with `role` (names are worker-<role>-<i>)."""
+    return next(w for w in dep.workers if w.name == f"worker-{role}-{index}")
