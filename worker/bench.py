@@ -43,7 +43,8 @@ PROMPTS = [
     "Write a short caption for the image.",
     "How many objects are visible, and which one is the largest?",
 ]
-IMAGE_SIZES = [(224, 224), (196, 168), (168, 224), (224, 140)]
+# Assorted sizes, as real uploads are: 64, 16, 48, 32 and 25 visual tokens for Qwen2-VL small.
+IMAGE_SIZES = [(224, 224), (112, 112), (168, 224), (224, 112), (140, 140)]
 
 
 @dataclass
