@@ -42,6 +42,11 @@ from triptych.worker.protocol import (
 
 log = logging.getLogger("triptych.router.orchestrator")
 
+# Encode-only runs go by their own id on the worker: the same instance may run a later hop
+# of the request (an ED instance decodes what it encoded) while the encode run is still
+# parked until its lease is released, and a worker's engine keys requests by id.
+ENCODE_ID_SUFFIX = ".encode"
+
 _EVENT_TYPES = {cls.model_fields["type"].default: cls
                 for cls in (EncodedEvent, TokensEvent, PrefilledEvent, FinishedEvent, ErrorEvent)}
 
@@ -293,7 +298,7 @@ class Orchestrator:
     async def _encode_only(self, req: GenerationRequest, inst: Instance, images: dict[str, str],
                            mm_items: list[MMItemSpec], touched: set[str]) -> list[MMSource]:
         items = [m for m in mm_items if m.content_hash in images]
-        sreq = StageRequest(request_id=req.request_id, stages=[Stage.ENCODE],
+        sreq = StageRequest(request_id=req.request_id + ENCODE_ID_SUFFIX, stages=[Stage.ENCODE],
                             prompt_token_ids=req.prompt_token_ids, mm_items=items, images=images,
                             sampling=req.sampling, timeout_s=self.config.stage_timeout_s)
         touched.add(inst.url)
@@ -352,7 +357,8 @@ class Orchestrator:
             except httpx.HTTPError as exc:
                 log.debug("abort of %s on %s failed: %s", request_id, url, exc)
 
-        await asyncio.shield(asyncio.gather(*(one(u, i) for u in urls for i in request_ids)))
+        ids = [i + suffix for i in request_ids for suffix in ("", ENCODE_ID_SUFFIX)]
+        await asyncio.shield(asyncio.gather(*(one(u, i) for u in urls for i in ids)))
 
 
 class AffinityIndex:
