@@ -13,7 +13,8 @@ installed version has it; its scheduler does not take M-RoPE models, so it runs 
 checkpoint's language model as a plain `*ForCausalLM` with the same weights, which
 computes the same thing for text), all requests submitted at once, c at a time.
 
-Each measurement is the best of REPEATS runs (by wall-clock throughput). Next to wall-clock
+Each figure is the best of REPEATS runs (by wall-clock throughput), the two systems' runs
+taken in turns. Next to wall-clock
 tokens/s the table shows tokens per CPU-second of this process: on a machine shared with
 other work, wall-clock figures move with the neighbours' load; CPU time much less.
 """
@@ -82,14 +83,21 @@ def _percentiles(values: Sequence[float]) -> dict[str, float]:
     return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "mean": round(1000 * statistics.mean(values), 2)}
 
 
-def best_of(run: Callable[[], RunResult], repeats: int = REPEATS) -> RunResult:
-    def timed() -> RunResult:
-        cpu = time.process_time()
-        result = run()
-        result.cpu_s = time.process_time() - cpu
-        return result
+def _timed(run: Callable[[], RunResult]) -> RunResult:
+    cpu = time.process_time()
+    result = run()
+    result.cpu_s = time.process_time() - cpu
+    return result
 
-    return max((timed() for _ in range(repeats)), key=lambda r: r.tokens_per_s)
+
+def best_of_interleaved(runs: Sequence[Callable[[], RunResult]], repeats: int = REPEATS) -> list[RunResult]:
+    """Best run of each contender, their runs taken in turns (A B A B) so that both see the
+    same background load."""
+    results: list[list[RunResult]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for mine, run in zip(results, runs, strict=True):
+            mine.append(_timed(run))
+    return [max(rs, key=lambda r: r.tokens_per_s) for rs in results]
 
 
 @dataclass
@@ -385,8 +393,8 @@ def cli_main(args: argparse.Namespace) -> int:
     say("\nmultimodal: 1 image + prompt per request, closed loop; transformers generate() in static batches of c")
     for c in args.concurrency:
         cases = multimodal_cases(max(2 * c, 4), seed=c)
-        mine = best_of(lambda: ours.closed_loop(cases, c, out_len))  # noqa: B023 - called right here
-        base = best_of(lambda: theirs.static_batches(cases, c, out_len))  # noqa: B023
+        mine, base = best_of_interleaved([lambda: ours.closed_loop(cases, c, out_len),  # noqa: B023
+                                          lambda: theirs.static_batches(cases, c, out_len)])  # noqa: B023
         report["multimodal"][str(c)] = compare(say, f"concurrency {c}", len(cases), mine, base,
                                                "transformers generate()")
 
@@ -397,11 +405,11 @@ def cli_main(args: argparse.Namespace) -> int:
     else:
         for c in args.concurrency:
             cases = text_cases(max(2 * c, 4))
-            mine = best_of(lambda: ours.all_at_once(cases, c, out_len))  # noqa: B023
             try:
-                base = best_of(lambda: theirs.continuous(cases, c, out_len))  # noqa: B023
+                mine, base = best_of_interleaved([lambda: ours.all_at_once(cases, c, out_len),  # noqa: B023
+                                                  lambda: theirs.continuous(cases, c, out_len)])  # noqa: B023
             except Exception as exc:  # report, don't hide: its CPU path is young
-                report["text_only"][str(c)] = {"triptych": mine.summary(), "error": repr(exc)}
+                report["text_only"][str(c)] = {"error": repr(exc)}
                 say(f"concurrency {c}: transformers generate_batch failed: {exc!r}")
                 continue
             report["text_only"][str(c)] = compare(say, f"concurrency {c}", len(cases), mine, base,
