@@ -269,8 +269,9 @@ async def _pull_embeddings(inst: Instance, sources: list[MMSource]) -> list[Any]
     reserved = []
     try:
         for src in sources:
-            if engine.mm.acquire(src.content_hash) is not None:
-                reserved.append(engine.mm.get(src.content_hash))
+            held = engine.acquire_mm(src.content_hash)
+            if held is not None:
+                reserved.append(held)
                 await _pull(inst, {**src.handle, "block_ids": []}, "mm", [], "ep")  # confirm only
                 continue
             entry = engine.reserve_mm(src.content_hash, src.num_tokens)
