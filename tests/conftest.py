@@ -26,6 +26,21 @@ _GENERATOR_HASH = hashlib.sha256(Path(_tiny_model.__file__).read_bytes()).hexdig
 os.environ.setdefault("TRIPTYCH_CACHE", str(Path(tempfile.gettempdir()) / f"triptych-test-{_GENERATOR_HASH}"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests need CUDA; `e2e` tests need a cluster (TRIPTYCH_E2E_KUBECONFIG)."""
+    import torch
+
+    skips = {
+        "gpu": None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA"),
+        "e2e": None if os.environ.get("TRIPTYCH_E2E_KUBECONFIG") else
+        pytest.mark.skip(reason="needs a cluster: set TRIPTYCH_E2E_KUBECONFIG"),
+    }
+    for item in items:
+        for name, skip in skips.items():
+            if skip is not None and name in item.keywords:
+                item.add_marker(skip)
+
+
 def tiny_dir(family: str, size: str = "tiny", seed: int = 0) -> Path:
     """The tiny checkpoint directory of `family` (built on first use)."""
     return _tiny_model.tiny_model_path(family, size=size, seed=seed)
