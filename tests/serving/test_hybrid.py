@@ -55,6 +55,7 @@ def _exact(served: Served, cases: list[servekit.Case], expected: list[list[int]]
     results = asyncio.run(servekit.run_all(served.dep.router_url, bodies))
     for case, want, got in zip(cases, expected, results, strict=True):
         assert got["status"] == 200 and not got.get("error"), (case.index, got)
+        assert got["finish_reason"] in ("stop", "length"), (case.index, got)
         assert got["token_ids"] == want, f"request {case.index} ({len(case.images)} images, stream={case.stream})"
 
 
