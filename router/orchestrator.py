@@ -249,6 +249,9 @@ class Orchestrator:
                 elif isinstance(event, TokensEvent):
                     yield TokenEvent(token_ids=event.token_ids)
                 elif isinstance(event, FinishedEvent):
+                    if event.finish_reason == "abort":  # the instance dropped it: never a 200
+                        raise StageFailure(hop.instance, f"{hop.instance.url} aborted the request",
+                                           stage=hop.stages[-1])
                     yield TokenEvent(token_ids=[], finish_reason=event.finish_reason)
                     return
             if kv_source is None:
