@@ -340,15 +340,31 @@ def _events_for(inst: Instance, sreq: StageRequest, out: RequestOutput, skip: in
     return events
 
 
-def _observe(role: str, timings: dict[str, float]) -> None:
-    pairs = {("encode", "exec"): ("encode_start", "encode_end"),
-             ("prefill", "exec"): ("prefill_start", "prefill_end"),
-             ("decode", "exec"): ("first_token", "finished")}
-    for (stage, phase), (a, b) in pairs.items():
-        if a in timings and b in timings:
-            STAGE_SECONDS.labels(role=role, stage=stage, phase=phase).observe(max(0.0, timings[b] - timings[a]))
-    if "queue" in timings:
-        STAGE_SECONDS.labels(role=role, stage="any", phase="queue").observe(timings["queue"])
+def stage_breakdown(stages: set[Stage], t: dict[str, float]) -> dict[tuple[str, str], float]:
+    """Per-stage queue and exec seconds of one request on this instance (HydraInfer §5.5's
+    latency breakdown; the migrations are timed where the pulls happen)."""
+    out: dict[tuple[str, str], float] = {}
+    arrival = t.get("arrival", 0.0)
+    if "encode_start" in t:
+        out["encode", "queue"] = t["encode_start"] - arrival
+        if "encode_end" in t:
+            out["encode", "exec"] = t["encode_end"] - t["encode_start"]
+    if "prefill_start" in t:
+        out["prefill", "queue"] = t["prefill_start"] - max(arrival, t.get("encode_end", arrival))
+        if "prefill_end" in t:
+            out["prefill", "exec"] = t["prefill_end"] - t["prefill_start"]
+    if Stage.DECODE in stages and "finished" in t:
+        if Stage.PREFILL not in stages and "first_scheduled" in t:
+            out["decode", "queue"] = t["first_scheduled"] - arrival
+        begin = t.get("prefill_end", t.get("first_scheduled"))
+        if begin is not None:
+            out["decode", "exec"] = t["finished"] - begin
+    return {k: max(0.0, v) for k, v in out.items()}
+
+
+def _observe(role: str, stages: set[Stage], timings: dict[str, float]) -> None:
+    for (stage, phase), seconds in stage_breakdown(stages, timings).items():
+        STAGE_SECONDS.labels(role=role, stage=stage, phase=phase).observe(seconds)
 
 
 async def _prepare(inst: Instance, sreq: StageRequest) -> tuple[Request, list[Any]]:
@@ -384,7 +400,7 @@ async def _stream(inst: Instance, sreq: StageRequest, req: Request, reserved: li
                 yield (event.model_dump_json() + "\n").encode()
             skip = max(0, skip - len(out.new_token_ids))
             if out.finished and out.timings:
-                _observe(engine.role.value, out.timings)
+                _observe(engine.role.value, set(sreq.stages), out.timings)
     except InvalidRequestError as exc:
         yield (ErrorEvent(status=400, message=str(exc)).model_dump_json() + "\n").encode()
     except TimeoutError:

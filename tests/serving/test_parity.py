@@ -7,6 +7,7 @@ import asyncio
 import functools
 from pathlib import Path
 
+import httpx
 import pytest
 import servekit
 from servekit import tiny_dir
@@ -32,6 +33,7 @@ def test_greedy_parity_over_http(family: str, topology: str, tmp_path: Path) -> 
     with servekit.start(model, topology, tmp_path) as dep:
         results = asyncio.run(servekit.run_all(dep.router_url, [c.openai_body(model.name) for c in cases]))
         worker_stats = servekit.stats(dep)
+        worker_metrics = {w.name: httpx.get(f"{w.url}/metrics", timeout=10).text for w in dep.workers}
     for case, want, got in zip(cases, expected, results, strict=True):
         assert got["status"] == 200 and not got.get("error"), (case.index, got)
         assert got["token_ids"] == want, f"request {case.index} ({len(case.images)} images, stream={case.stream})"
@@ -51,6 +53,16 @@ def test_greedy_parity_over_http(family: str, topology: str, tmp_path: Path) -> 
         pulled_by_d = sum(moved[n] for n in decoders)
         assert pulled_by_p == mm_all
         assert pulled_by_d == kv_bytes
+    # The latency breakdown (HydraInfer §5.5) is on each instance's /metrics.
+    for name, s in worker_stats.items():
+        text = worker_metrics[name]
+        for stage in ("encode", "prefill", "decode"):
+            if stage[0].upper() in s["role"]:
+                assert f'phase="exec",role="{s["role"]}",stage="{stage}"' in text, (name, stage)
+        if s["role"] == "D":
+            assert 'triptych_worker_migration_seconds_count{kind="pd",transport="nixl-ucx"}' in text
+        if s["role"] == "P":
+            assert 'triptych_worker_migration_seconds_count{kind="ep",transport="nixl-ucx"}' in text
     for name, s in worker_stats.items():
         assert s["kv_cache"]["used"] == 0 if "kv_cache" in s else True, name
         assert s["leases_outstanding"] == 0, name

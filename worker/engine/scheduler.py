@@ -166,6 +166,8 @@ class Scheduler:
                 if self._reserve_kv(req, req.num_tokens, batch):
                     batch.chunks.append(Chunk(req, req.num_computed_tokens, req.num_tokens))
                     self._tokens_left -= 1
+                    if req.timings.first_scheduled is None:  # entered prefilled: its decode queue ends now
+                        req.timings.first_scheduled = time.monotonic()
 
     def _schedule_running_prefills(self, batch: ScheduledBatch) -> None:
         for req in list(self.running):
