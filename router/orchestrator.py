@@ -69,6 +69,7 @@ class OrchestratorConfig:
     cache_affinity: bool = True  # send an image to the instance whose MM cache holds it
     affinity_entries: int = 4096  # image hashes remembered (an LRU; a stale entry only costs an encode)
     abort_timeout_s: float = 2.0
+    per_token_timeout_s: float = 1.0  # a decode hop's deadline grows with max_tokens
     max_inflight: int = 512  # requests in flight before new ones get 429
     max_instance_load: float | None = None  # 429 when every first-stage instance reports more queued work
     retry_after_s: float = 1.0
@@ -216,6 +217,14 @@ class Orchestrator:
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, failure)
         raise BackendError(503, f"request failed on every attempt: {last_error}", retry_after=1.0)
 
+    def _deadline(self, stages: list[Stage], req: GenerationRequest) -> float:
+        """The worker-side deadline of one hop: a stage's budget, plus time per token to
+        decode (silence is caught sooner, by the stream's read timeout)."""
+        budget = self.config.stage_timeout_s
+        if Stage.DECODE in stages:
+            budget += req.sampling.max_tokens * self.config.per_token_timeout_s
+        return budget
+
     def _count_hops(self, hops: list[Hop]) -> None:
         for hop in hops:
             first, *rest = hop.stages
@@ -238,7 +247,7 @@ class Orchestrator:
                 request_id=req.request_id, stages=hop.stages, prompt_token_ids=req.prompt_token_ids,
                 mm_items=mm_items, images=images if Stage.ENCODE in hop.stages else {},
                 mm_sources=mm_sources if Stage.PREFILL in hop.stages else [],
-                kv_source=kv_source, sampling=req.sampling, timeout_s=self.config.stage_timeout_s,
+                kv_source=kv_source, sampling=req.sampling, timeout_s=self._deadline(hop.stages, req),
             )
             touched.add(hop.instance.url)
             kv_source = None
