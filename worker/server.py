@@ -35,7 +35,6 @@ from pydantic import BaseModel
 from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.engine.engine import Engine, EngineConfig
 from triptych.worker.engine.request import (
-    FinishReason,
     InvalidRequestError,
     PrefilledKV,
     Request,
@@ -314,9 +313,8 @@ def _offer(inst: Instance, request_id: str, region: str, groups: list[list[int]]
 
 def _events_for(inst: Instance, sreq: StageRequest, out: RequestOutput, skip: int) -> list[BaseModel]:
     assert inst.transfer is not None
-    if out.error:
-        status = 400 if out.finish_reason != FinishReason.ERROR or "exhausted" not in out.error else 503
-        return [ErrorEvent(status=status, message=out.error)]
+    if out.error:  # bad input was refused at add_request (400); what fails later is ours
+        return [ErrorEvent(status=503 if "exhausted" in out.error else 500, message=out.error)]
     handoff = out.handoff
     if handoff is not None and handoff.stage == Stage.ENCODE:
         leases = _offer(inst, sreq.request_id, "mm", [ids for _, ids, _ in handoff.mm])
