@@ -169,13 +169,13 @@ class Orchestrator:
         cfg = self.config
         first = stages_for(bool(req.mm_items))[0]
         if self.inflight >= cfg.max_inflight:
-            self.metrics.decisions.labels(first.value, self.chooser.policy_for(first).value, "overloaded").inc()
+            self._decide(first, "overloaded")
             raise BackendError(429, f"server busy: {self.inflight} requests in flight (limit {cfg.max_inflight})",
                                retry_after=cfg.retry_after_s)
         capable = self.registry.capable(first)
         if cfg.max_instance_load is not None and capable and all(
                 i.load + i.inflight > cfg.max_instance_load for i in capable):
-            self.metrics.decisions.labels(first.value, self.chooser.policy_for(first).value, "overloaded").inc()
+            self._decide(first, "overloaded")
             raise BackendError(429, f"server busy: every {first.value} instance has more than "
                                     f"{cfg.max_instance_load:g} queued", retry_after=cfg.retry_after_s)
 
@@ -195,8 +195,7 @@ class Orchestrator:
             try:
                 hops = plan_path(self.registry, self.chooser, stages, excluded)
             except NoInstanceError as exc:
-                self.metrics.decisions.labels(exc.stage.value, self.chooser.policy_for(exc.stage).value,
-                                              "no_instance").inc()
+                self._decide(exc.stage, "no_instance")
                 raise BackendError(503, str(exc), retry_after=self.config.retry_after_s) from exc
             self._count_hops(hops)
             started = False
@@ -212,10 +211,10 @@ class Orchestrator:
                 if started:
                     raise BackendError(failure.status, f"request failed after streaming began: {failure}") \
                         from failure
-                stage = failure.stage or Stage.PREFILL
-                self.metrics.decisions.labels(stage.value, self.chooser.policy_for(stage).value, "retried").inc()
+                self._decide(failure.stage or Stage.PREFILL, "retried")
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, failure)
-        raise BackendError(503, f"request failed on every attempt: {last_error}", retry_after=1.0)
+        raise BackendError(503, f"request failed on every attempt: {last_error}",
+                           retry_after=self.config.retry_after_s)
 
     def _deadline(self, stages: list[Stage], req: GenerationRequest) -> float:
         """The worker-side deadline of one hop: a stage's budget, plus time per token to
@@ -228,9 +227,12 @@ class Orchestrator:
     def _count_hops(self, hops: list[Hop]) -> None:
         for hop in hops:
             first, *rest = hop.stages
-            self.metrics.decisions.labels(first.value, self.chooser.policy_for(first).value, "chosen").inc()
+            self._decide(first, "chosen")
             for stage in rest:
-                self.metrics.decisions.labels(stage.value, self.chooser.policy_for(stage).value, "kept_local").inc()
+                self._decide(stage, "kept_local")
+
+    def _decide(self, stage: Stage, outcome: str) -> None:
+        self.metrics.decisions.labels(stage.value, self.chooser.policy_for(stage).value, outcome).inc()
 
     async def _run_hops(self, req: GenerationRequest, hops: list[Hop], touched: set[str],
                         excluded: set[str]) -> AsyncIterator[TokenEvent]:
