@@ -502,6 +502,9 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain_then_exit(self, sig: int, frame: Any) -> None:
         await self.instance._drain()
+        # In-flight work is done; what uvicorn may still wait for is an idle keep-alive
+        # connection from the router, which must not hold the exit for the full 30 s.
+        self.config.timeout_graceful_shutdown = 2
         super().handle_exit(sig, frame)
 
 
