@@ -24,8 +24,8 @@ from prometheus_client import CollectorRegistry
 from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
 from triptych.router.orchestrator import Orchestrator, OrchestratorConfig
-from triptych.router.planner import Chooser, Policy, parse_stage_policies
 from triptych.router.registry import Registry
+from triptych.router.routing import Chooser, Policy, parse_stage_policies
 
 log = logging.getLogger("triptych.router")
 

@@ -1,6 +1,6 @@
 """Moves each request through its stages across instances and streams tokens back.
 
-For every request: plan the hops (planner.py), run them in order over the workers'
+For every request: plan the hops (routing.py), run them in order over the workers'
 `/internal/run` NDJSON streams, carry the hand-over handles between them (the control
 messages of HydraInfer §4.3's pull-based migration; the data moves worker-to-worker over
 NIXL), and yield tokens as they arrive. A failure before the first token is retried on
@@ -25,10 +25,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
-from triptych.router.planner import Chooser, Hop, NoInstanceError, plan_path, spread_images, stages_for
 from triptych.router.registry import Instance, Registry
-from triptych.topology import Stage
-from triptych.worker.protocol import (
+from triptych.router.routing import Chooser, Hop, NoInstanceError, plan_path, spread_images, stages_for
+from triptych.stage_protocol import (
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
@@ -39,6 +38,7 @@ from triptych.worker.protocol import (
     StageRequest,
     TokensEvent,
 )
+from triptych.topology import Stage
 
 log = logging.getLogger("triptych.router.orchestrator")
 

@@ -1,6 +1,6 @@
 """The worker server: one process = one instance (FastAPI).
 
-`POST /internal/run` runs a contiguous run of a request's stages (worker/protocol.py)
+`POST /internal/run` runs a contiguous run of a request's stages (triptych/stage_protocol.py)
 and streams NDJSON events back to the router. Before the engine sees the request, the
 server pulls what earlier stages left elsewhere (HydraInfer §4.3, steps 2-4): image
 embeddings into this instance's MM cache, or a prefilled KV cache into its KV cache.
@@ -32,15 +32,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel
 
-from triptych.topology import UNASSIGNED, InstanceType, Stage
-from triptych.worker.engine.engine import Engine, EngineConfig
-from triptych.worker.engine.request import (
-    InvalidRequestError,
-    PrefilledKV,
-    Request,
-    RequestOutput,
-)
-from triptych.worker.protocol import (
+from triptych.stage_protocol import (
     EncodedEvent,
     EncodedItem,
     ErrorEvent,
@@ -51,6 +43,14 @@ from triptych.worker.protocol import (
     RoleSwitch,
     StageRequest,
     TokensEvent,
+)
+from triptych.topology import UNASSIGNED, InstanceType, Stage
+from triptych.worker.engine.engine import Engine, EngineConfig
+from triptych.worker.engine.request import (
+    InvalidRequestError,
+    PrefilledKV,
+    Request,
+    RequestOutput,
 )
 from triptych.worker.transfer import LeaseTable, TransferEngine, TransferError, run_lease_pump
 from triptych.worker.transfer.base import registry_metric

@@ -86,7 +86,7 @@ class StageNotServedError(InvalidRequestError):
 
 
 class MMItemLike(Protocol):
-    """`triptych.processor.MMItem` or `worker.protocol.MMItemSpec`: a placeholder run."""
+    """`triptych.processor.MMItem` or `triptych.stage_protocol.MMItemSpec`: a placeholder run."""
 
     offset: int
     length: int

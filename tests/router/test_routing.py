@@ -7,7 +7,8 @@ import random
 import pytest
 
 from triptych.router.orchestrator import AffinityIndex
-from triptych.router.planner import (
+from triptych.router.registry import Instance, Registry
+from triptych.router.routing import (
     Chooser,
     NoInstanceError,
     Policy,
@@ -16,7 +17,6 @@ from triptych.router.planner import (
     spread_images,
     stages_for,
 )
-from triptych.router.registry import Instance, Registry
 from triptych.topology import InstanceType, Stage, parse_topology
 
 
