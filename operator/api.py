@@ -145,7 +145,7 @@ class SecretKeyRef(Model):
     key: str = "api-keys"
 
 
-class RouterConfig(Model):
+class RouterSpec(Model):
     replicas: int = Field(1, ge=1)
     image: str = names.DEFAULT_IMAGE
     image_pull_policy: PullPolicy = "IfNotPresent"
@@ -223,7 +223,7 @@ class MLLMDeploymentSpec(Model):
     pools: list[WorkerPool] = Field(
         default_factory=list, description="worker pools (default: one pool 'workers' allowing every type)",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
-    router: RouterConfig = Field(default_factory=RouterConfig)
+    router: RouterSpec = Field(default_factory=RouterSpec)
     transfer: TransferConfig = Field(default_factory=TransferConfig)
     slo: SLOConfig = Field(default_factory=SLOConfig)
     scheduling: SchedulingConfig = Field(default_factory=SchedulingConfig)

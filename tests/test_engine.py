@@ -22,12 +22,12 @@ from triptych.worker.engine import (
     FinishReason,
     ImageTooLargeError,
     InvalidImageError,
-    InvalidRequestError,
     MissingEmbeddingError,
     PrefilledKV,
     PromptTooLongError,
     Request,
     RequestStatus,
+    RequestValidationError,
     StageNotServedError,
 )
 from triptych.worker.engine.profiler import latency_limit
@@ -158,7 +158,7 @@ def test_refused_decode_request_gives_its_reserved_blocks_back(qwen2_vl_dir: Pat
     assert d.kv.num_used == 2
     bad = Request("d", [5] * 20, _params(), stages={Stage.DECODE},
                   prefilled=PrefilledKV(ids, 20, first_token=d.spec.vocab_size))
-    with pytest.raises(InvalidRequestError, match="vocabulary"):
+    with pytest.raises(RequestValidationError, match="vocabulary"):
         d.add_request(bad)
     assert d.kv.num_used == 0
 
@@ -318,7 +318,7 @@ async def test_bad_inputs_fail_alone_while_good_requests_stream(qwen2_vl_dir: Pa
     for got, want in zip(results[:4], expected, strict=True):
         assert got == want.output_token_ids
     for got, (_, kind) in zip(results[4:], bad, strict=True):
-        assert isinstance(got, kind) and isinstance(got, InvalidRequestError), got
+        assert isinstance(got, kind) and isinstance(got, RequestValidationError), got
     assert "pixels" in str(results[5]) and "context" in str(results[6])
     assert e.stats()["kv_cache"]["used"] == 0
 
@@ -382,12 +382,12 @@ def test_a_failing_model_call_fails_only_its_batch(qwen2_vl_dir: Path) -> None:
 
 def test_request_validation_messages(qwen2_vl_dir: Path) -> None:
     e = _engine(qwen2_vl_dir)
-    with pytest.raises(InvalidRequestError, match="vocabulary"):
+    with pytest.raises(RequestValidationError, match="vocabulary"):
         e.add_request(Request("v", [e.spec.vocab_size + 5], _params()))
     with pytest.raises(PromptTooLongError, match="KV"):
         _engine(qwen2_vl_dir, num_kv_blocks=2).add_request(Request("k", [5] * 20, _params(max_tokens=40)))
     e.add_request(Request("dup", [5, 6], _params()))
-    with pytest.raises(InvalidRequestError, match="already in use"):
+    with pytest.raises(RequestValidationError, match="already in use"):
         e.add_request(Request("dup", [5, 6], _params()))
     with pytest.raises(StageNotServedError):
         _engine(qwen2_vl_dir, InstanceType.E).add_request(Request("w", [5, 6], _params()))

@@ -40,7 +40,7 @@ def generate(model_dir: Path, prompt: str, image_paths: list[str], params: Sampl
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    from triptych.worker.engine import InvalidRequestError
+    from triptych.worker.engine import RequestValidationError
     from triptych.worker.models.spec import UnsupportedCheckpointError
 
     try:
@@ -49,7 +49,7 @@ def cli_main(args: argparse.Namespace) -> int:
         text = generate(resolve_model(args.model), args.prompt, args.image, params,
                         dtype=args.dtype, device=args.device)
     except (OSError, ValueError, ProcessorError, UnsupportedModelError, UnsupportedCheckpointError,
-            InvalidRequestError, RuntimeError) as exc:
+            RequestValidationError, RuntimeError) as exc:
         print(f"triptych generate: error: {exc}", file=sys.stderr)
         return 2
     print(text)

@@ -47,10 +47,10 @@ from triptych.stage_protocol import (
 from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.engine.engine import Engine, EngineConfig
 from triptych.worker.engine.request import (
-    InvalidRequestError,
     PrefilledKV,
     Request,
     RequestOutput,
+    RequestValidationError,
 )
 from triptych.worker.transfer import LeaseTable, TransferEngine, TransferError, run_lease_pump
 from triptych.worker.transfer.base import registry_metric
@@ -70,7 +70,7 @@ STAGE_SECONDS: Histogram = registry_metric(
 class _InstanceCollector(Collector):
     """Queue depths and cache occupancy, read from the engine at scrape time."""
 
-    def __init__(self, instance: Instance) -> None:
+    def __init__(self, instance: InstanceRuntime) -> None:
         self.instance = instance
 
     def collect(self):  # type: ignore[no-untyped-def]
@@ -139,7 +139,7 @@ def settings_from_serving_config(path: str) -> dict[str, Any]:
     return out
 
 
-class Instance:
+class InstanceRuntime:
     """The engine and transfer engine of the current role; swapped whole on a role switch."""
 
     def __init__(self, settings: WorkerSettings) -> None:
@@ -248,7 +248,7 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 # -- the stage run ------------------------------------------------------------------------
-async def _pull(inst: Instance, handle: dict[str, Any], region: str, block_ids: list[int], kind: str) -> None:
+async def _pull(inst: InstanceRuntime, handle: dict[str, Any], region: str, block_ids: list[int], kind: str) -> None:
     assert inst.transfer is not None
     started = time.monotonic()
     try:
@@ -260,7 +260,7 @@ async def _pull(inst: Instance, handle: dict[str, Any], region: str, block_ids: 
     inst.transfer_bytes[inst.transfer.transport] = inst.transfer_bytes.get(inst.transfer.transport, 0) + nbytes
 
 
-async def _pull_embeddings(inst: Instance, sources: list[MMSource]) -> list[Any]:
+async def _pull_embeddings(inst: InstanceRuntime, sources: list[MMSource]) -> list[Any]:
     """Pull each embedding into this MM cache (skipping ones it holds); returns entries to
     release once the request holds its own references."""
     engine = inst.engine
@@ -284,7 +284,7 @@ async def _pull_embeddings(inst: Instance, sources: list[MMSource]) -> list[Any]
     return reserved
 
 
-async def _pull_kv(inst: Instance, src: KVSource) -> PrefilledKV:
+async def _pull_kv(inst: InstanceRuntime, src: KVSource) -> PrefilledKV:
     engine = inst.engine
     assert engine is not None
     block_ids = engine.reserve_kv(src.num_tokens)
@@ -296,7 +296,7 @@ async def _pull_kv(inst: Instance, src: KVSource) -> PrefilledKV:
     return PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token)
 
 
-def _offer(inst: Instance, request_id: str, region: str, groups: list[list[int]]) -> list[str]:
+def _offer(inst: InstanceRuntime, request_id: str, region: str, groups: list[list[int]]) -> list[str]:
     """One lease per hand-over group; the parked request is released when all are done."""
     engine, remaining = inst.engine, [len(groups)]
     lock = threading.Lock()
@@ -311,7 +311,7 @@ def _offer(inst: Instance, request_id: str, region: str, groups: list[list[int]]
     return [inst.leases.offer(region, ids, release_one, inst.settings.lease_seconds) for ids in groups]
 
 
-def _events_for(inst: Instance, sreq: StageRequest, out: RequestOutput, skip: int) -> list[BaseModel]:
+def _events_for(inst: InstanceRuntime, sreq: StageRequest, out: RequestOutput, skip: int) -> list[BaseModel]:
     assert inst.transfer is not None
     if out.error:  # bad input was refused at add_request (400); what fails later is ours
         return [ErrorEvent(status=503 if "exhausted" in out.error else 500, message=out.error)]
@@ -365,7 +365,7 @@ def _observe(role: str, stages: set[Stage], timings: dict[str, float]) -> None:
         STAGE_SECONDS.labels(role=role, stage=stage, phase=phase).observe(seconds)
 
 
-async def _prepare(inst: Instance, sreq: StageRequest) -> tuple[Request, list[Any]]:
+async def _prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, list[Any]]:
     engine = inst.engine
     if engine is None or inst.draining:
         raise StageError(503, f"instance {inst.settings.instance_id} is {inst.status}; not accepting work")
@@ -383,7 +383,7 @@ async def _prepare(inst: Instance, sreq: StageRequest) -> tuple[Request, list[An
     return req, reserved
 
 
-async def _stream(inst: Instance, sreq: StageRequest, req: Request, reserved: list[Any]) -> AsyncIterator[bytes]:
+async def _stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserved: list[Any]) -> AsyncIterator[bytes]:
     engine = inst.engine
     assert engine is not None
     skip = 1 if req.prefilled is not None else 0  # token 1 was sampled (and streamed) by P
@@ -399,7 +399,7 @@ async def _stream(inst: Instance, sreq: StageRequest, req: Request, reserved: li
             skip = max(0, skip - len(out.new_token_ids))
             if out.finished and out.timings:
                 _observe(engine.role.value, set(sreq.stages), out.timings)
-    except InvalidRequestError as exc:
+    except RequestValidationError as exc:
         yield (ErrorEvent(status=400, message=str(exc)).model_dump_json() + "\n").encode()
     except TimeoutError:
         yield (ErrorEvent(status=504, message=f"request exceeded {sreq.timeout_s}s").model_dump_json()
@@ -412,7 +412,7 @@ async def _stream(inst: Instance, sreq: StageRequest, req: Request, reserved: li
 
 # -- the app ------------------------------------------------------------------------------
 def create_app(settings: WorkerSettings) -> FastAPI:
-    inst = Instance(settings)
+    inst = InstanceRuntime(settings)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -466,7 +466,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
             req, reserved = await _prepare(inst, sreq)
         except StageError as exc:
             return _error(exc.status, exc.message)
-        except InvalidRequestError as exc:
+        except RequestValidationError as exc:
             return _error(400, str(exc))
         return StreamingResponse(_stream(inst, sreq, req, reserved), media_type="application/x-ndjson")
 
@@ -476,8 +476,8 @@ def create_app(settings: WorkerSettings) -> FastAPI:
             inst.engine.abort(request_id)
         return {"aborted": request_id}
 
-    @app.exception_handler(InvalidRequestError)
-    async def invalid(_req: HttpRequest, exc: InvalidRequestError) -> JSONResponse:
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_req: HttpRequest, exc: RequestValidationError) -> JSONResponse:
         return _error(400, str(exc))
 
     return app
@@ -488,7 +488,7 @@ class DrainingServer(uvicorn.Server):
     to it), refuses new stage runs with 503, finishes in-flight work and outstanding
     hand-overs (bounded by drain_timeout_s), then exits. A second signal exits at once."""
 
-    def __init__(self, config: uvicorn.Config, instance: Instance) -> None:
+    def __init__(self, config: uvicorn.Config, instance: InstanceRuntime) -> None:
         super().__init__(config)
         self.instance = instance
         self._drain_task: asyncio.Task[None] | None = None

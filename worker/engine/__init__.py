@@ -6,18 +6,18 @@ from triptych.worker.engine.request import (
     Handoff,
     ImageTooLargeError,
     InvalidImageError,
-    InvalidRequestError,
     MissingEmbeddingError,
     PrefilledKV,
     PromptTooLongError,
     Request,
     RequestOutput,
     RequestStatus,
+    RequestValidationError,
     StageNotServedError,
 )
 
 __all__ = [
     "Engine", "EngineConfig", "FinishReason", "Handoff", "ImageTooLargeError", "InvalidImageError",
-    "InvalidRequestError", "MissingEmbeddingError", "PrefilledKV", "PromptTooLongError", "Request",
+    "RequestValidationError", "MissingEmbeddingError", "PrefilledKV", "PromptTooLongError", "Request",
     "RequestOutput", "RequestStatus", "StageNotServedError",
 ]

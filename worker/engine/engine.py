@@ -7,7 +7,7 @@ that end a sequence are sampled. `step()` is synchronous and single-threaded; th
 driver (`start()` / `generate()`) runs it on a background thread while there is work.
 
 Requests enter through `add_request`, which validates them in the caller's thread (typed
-`InvalidRequestError`s) and hands them to the loop through an inbox; aborts and releases
+`RequestValidationError`s) and hands them to the loop through an inbox; aborts and releases
 go through the inbox too, so a request's blocks are never freed while a forward writes
 them. Serving reserves cache blocks for pulled data with `reserve_kv` / `reserve_mm`.
 """
@@ -36,12 +36,12 @@ from triptych.worker.engine.mm_cache import MMCache, MMEntry
 from triptych.worker.engine.request import (
     FinishReason,
     Handoff,
-    InvalidRequestError,
     MissingEmbeddingError,
     PromptTooLongError,
     Request,
     RequestOutput,
     RequestStatus,
+    RequestValidationError,
     StageNotServedError,
 )
 from triptych.worker.engine.sampling import SampleRow, resolve_seed, sample
@@ -163,7 +163,7 @@ class Engine:
 
     # --- requests in ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        """Validate `req` (raises `InvalidRequestError` subclasses) and queue it.
+        """Validate `req` (raises `RequestValidationError` subclasses) and queue it.
 
         KV blocks passed in `req.prefilled` belong to the engine from this call on: they
         are freed when the request ends, or right here if it is refused."""
@@ -171,7 +171,7 @@ class Engine:
             self._validate(req)
             with self._lock:
                 if req.request_id in self._known_ids:
-                    raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+                    raise RequestValidationError(f"request id {req.request_id!r} is already in use")
                 self._known_ids.add(req.request_id)
         except Exception:
             if req.prefilled is not None:
@@ -202,22 +202,22 @@ class Engine:
 
     def _validate(self, req: Request) -> None:
         if not req.stages:
-            raise InvalidRequestError("request names no stage to run")
+            raise RequestValidationError("request names no stage to run")
         missing = sorted(s.value for s in req.stages if not self.role.runs(s))
         if missing:
             raise StageNotServedError(f"this {self.role.value} instance does not run stage(s) {', '.join(missing)}")
         if req.request_id in self._known_ids:
-            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+            raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         n = req.num_prompt_tokens
         if n < 1:
-            raise InvalidRequestError("prompt has no tokens")
+            raise RequestValidationError("prompt has no tokens")
         if self.language is not None and n >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {n} tokens; the model context is {self.max_model_len} tokens "
                 "(prompt plus at least one generated token must fit)")
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+            raise RequestValidationError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         self._validate_mm(req)
         if self.kv is not None and req.stop_after != Stage.ENCODE:
             total = min(n + req.params.max_tokens, self.max_model_len)
@@ -234,9 +234,9 @@ class Engine:
             try:
                 req.positions, req.rope_delta = prompt_positions(self.spec, req.prompt_token_ids, req.mm_items)
             except ValueError as exc:
-                raise InvalidRequestError(str(exc)) from exc
+                raise RequestValidationError(str(exc)) from exc
         if req.params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; the checkpoint has no tokenizer.json")
+            raise RequestValidationError("stop strings need a tokenizer; the checkpoint has no tokenizer.json")
         if self.tokenizer is not None and (self.config.detokenize or req.params.stop):
             req.detok = processor.IncrementalDetokenizer(self.tokenizer)
 
@@ -245,7 +245,7 @@ class Engine:
         for item in req.mm_items:
             span = req.prompt_token_ids[item.offset:item.offset + item.length]
             if item.offset < 0 or len(span) != item.length or any(t not in placeholder for t in span):
-                raise InvalidRequestError(
+                raise RequestValidationError(
                     f"multimodal item at offset {item.offset} (length {item.length}) does not match a run "
                     "of placeholder tokens in the prompt")
         if not req.mm_items:
@@ -271,7 +271,7 @@ class Engine:
             assert self.vision is not None
             vin = self.vision.preprocess(image)
             if vin.num_tokens != item.length:
-                raise InvalidRequestError(
+                raise RequestValidationError(
                     f"image {h[:16]} ({image.width}x{image.height}) gives {vin.num_tokens} visual tokens "
                     f"but its placeholder run has {item.length}")
             req.vision_inputs[h] = vin
@@ -280,15 +280,15 @@ class Engine:
         pre = req.prefilled
         assert pre is not None and self.kv is not None
         if Stage.PREFILL in req.stages:
-            raise InvalidRequestError("a request with a prefilled KV cache must not run the prefill stage")
+            raise RequestValidationError("a request with a prefilled KV cache must not run the prefill stage")
         if pre.num_tokens != req.num_prompt_tokens:
-            raise InvalidRequestError(f"prefilled KV holds {pre.num_tokens} tokens; the prompt has "
+            raise RequestValidationError(f"prefilled KV holds {pre.num_tokens} tokens; the prompt has "
                                       f"{req.num_prompt_tokens}")
         if len(pre.block_ids) != self.kv.blocks_for(pre.num_tokens):
-            raise InvalidRequestError(f"{len(pre.block_ids)} KV blocks given for {pre.num_tokens} tokens; "
+            raise RequestValidationError(f"{len(pre.block_ids)} KV blocks given for {pre.num_tokens} tokens; "
                                       f"expected {self.kv.blocks_for(pre.num_tokens)}")
         if not 0 <= pre.first_token < self.spec.vocab_size:
-            raise InvalidRequestError(f"first token {pre.first_token} is outside the vocabulary")
+            raise RequestValidationError(f"first token {pre.first_token} is outside the vocabulary")
 
     # --- blocks for pulled data (serving / transfer) ---------------------------------
     def reserve_kv(self, num_tokens: int) -> list[int]:
@@ -731,14 +731,14 @@ class Engine:
 
     async def generate(self, req: Request, timeout_s: float | None = 600.0) -> AsyncIterator[RequestOutput]:
         """Stream a request's output deltas; the last one has `finished=True`. Leaving the
-        iteration early (client gone) aborts the request. Raises `InvalidRequestError` at
+        iteration early (client gone) aborts the request. Raises `RequestValidationError` at
         once for bad input, TimeoutError when the request runs past `timeout_s`."""
         if self._thread is None:
             self.start()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         if self._sinks.setdefault(req.request_id, queue) is not queue:
-            raise InvalidRequestError(f"request id {req.request_id!r} is already in use")
+            raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         self._sinks[req.request_id] = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
         done = added = False
         try:

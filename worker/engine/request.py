@@ -61,27 +61,27 @@ class FinishReason(StrEnum):
 # --- errors raised at add_request -------------------------------------------------------
 
 
-class InvalidRequestError(ValueError):
+class RequestValidationError(ValueError):
     """A request this engine cannot run; the message says why. Other requests are unaffected."""
 
 
-class PromptTooLongError(InvalidRequestError):
+class PromptTooLongError(RequestValidationError):
     pass
 
 
-class InvalidImageError(InvalidRequestError, processor.InvalidImageError):
+class InvalidImageError(RequestValidationError, processor.InvalidImageError):
     """Bytes that are not a (complete) image."""
 
 
-class ImageTooLargeError(InvalidRequestError, processor.ImageTooLargeError):
+class ImageTooLargeError(RequestValidationError, processor.ImageTooLargeError):
     """An image over the configured pixel limit."""
 
 
-class MissingEmbeddingError(InvalidRequestError):
+class MissingEmbeddingError(RequestValidationError):
     """An image that is neither given (to encode here) nor in this engine's MM cache."""
 
 
-class StageNotServedError(InvalidRequestError):
+class StageNotServedError(RequestValidationError):
     """The request needs a stage this instance's role does not run."""
 
 
@@ -224,7 +224,7 @@ class Request:
         for stage in (Stage.DECODE, Stage.PREFILL, Stage.ENCODE):
             if stage in self.stages:
                 return stage
-        raise InvalidRequestError("a request needs at least one stage")
+        raise RequestValidationError("a request needs at least one stage")
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)
