@@ -6,6 +6,7 @@ import base64
 import hashlib
 import io
 import random
+import shutil
 import struct
 import subprocess
 import sys
@@ -311,3 +312,24 @@ def test_image_input_from_bytes() -> None:
     data = png_bytes(make_test_image(2, 30, 20))
     item = ImageInput.from_bytes(data)
     assert item.image.size == (30, 20) and item.content_hash == hashlib.sha256(data).hexdigest()
+
+
+def _without_processor_config(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint as older llava-hf snapshots ship it: no processor_config.json."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "processor_config.json":
+            shutil.copy(f, dst / f.name)
+    return dst
+
+
+def test_llava_without_processor_config_counts_tokens_from_the_tower(llava_dir: Path, tmp_path: Path) -> None:
+    bare = _without_processor_config(llava_dir, tmp_path / "llava-bare")
+    proc = MultimodalProcessor.from_pretrained(bare)
+    assert proc.num_image_tokens(56, 56) == 16  # CLIP: 16 patches + class token, the default strategy drops it
+    image = make_test_image(0, 60, 70)
+    out = proc.process_text("USER: <image>\nHi ASSISTANT:", [image])
+    # transformers' reference needs the processor config (without it, it expands one token short);
+    # the weights and tokenizer are the same files, so the original directory is the reference.
+    ref = hf_processor(str(llava_dir))(text="USER: <image>\nHi ASSISTANT:", images=[image])["input_ids"][0]
+    assert out.token_ids == list(ref)

@@ -254,10 +254,20 @@ def _llava_rules(pp: dict[str, Any], proc: dict[str, Any], config: dict[str, Any
     patch = proc.get("patch_size") or vision.get("patch_size")
     if patch is None:
         raise UnsupportedModelError("LLaVA checkpoint names no patch_size")
-    # Released llava-hf processors say 1 (CLIP's CLS); older ones omit it, and transformers then uses 0.
-    extra = proc.get("num_additional_image_tokens", 0)
-    strategy = proc.get("vision_feature_select_strategy") or config.get("vision_feature_select_strategy", "default")
-    return LlavaVisionRules(int(height), int(width), int(patch), int(extra), strategy)
+    # The tower decides the feature count, not the processor config: CLIP prepends a class token
+    # (which the "default" strategy drops again), SigLIP has none. Released llava-hf processors say
+    # num_additional_image_tokens=1; older snapshots have no processor_config.json at all, and
+    # trusting the (then default) 0 gave one placeholder too few for every image.
+    extra = _TOWER_PREFIX_TOKENS.get(vision.get("model_type", "clip_vision_model"))
+    if extra is None:
+        raise UnsupportedModelError(f"LLaVA vision tower {vision.get('model_type')!r} is not supported "
+                                    f"(supported: {', '.join(_TOWER_PREFIX_TOKENS)})")
+    strategy = config.get("vision_feature_select_strategy") or proc.get("vision_feature_select_strategy", "default")
+    return LlavaVisionRules(int(height), int(width), int(patch), extra, strategy)
+
+
+# Tokens a vision tower puts before its patch features (CLIP: the class token).
+_TOWER_PREFIX_TOKENS = {"clip_vision_model": 1}  # the worker loads CLIP towers only
 
 
 # --- chat template --------------------------------------------------------------------
