@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API: `create_app(config, backend) -> FastAPI`.
 
-A request's path through this module: the front door (auth, body size, metrics) ->
+A request's path: the front door (front_door.py: auth, body size and deadline, metrics) ->
 validation (pydantic; any failure is a 400 in OpenAI's error JSON) -> model name and
-unsupported-field checks -> images loaded and decoded (limits checked before decoding)
--> chat template + tokenization (the processor) -> context-length check ->
-`backend.generate` -> tokens detokenized, stop strings trimmed -> JSON or SSE.
+unsupported-field checks -> the prompt (prompt.py: caps, images sized from their headers,
+chat template + tokenization, context-length fit) -> `backend.generate` -> tokens
+detokenized, stop strings trimmed (streaming.py) -> JSON or SSE.
 
 Torch is never imported here: the router process holds no model weights.
 """
@@ -18,39 +18,35 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from triptych import __version__
-from triptych.processor import ImageInput, ImageTooLargeError, MultimodalProcessor, ProcessorError
+from triptych.processor import MultimodalProcessor
 from triptych.router.backend import Backend, GenerationRequest
 from triptych.router.config import RouterConfig, read_placeholder_ids
 from triptych.router.errors import InvalidRequestError, OpenAIError, install_error_handlers
-from triptych.router.images import ImageLoader, ImageRef
+from triptych.router.front_door import PUMP_KEY, ClientGone, FrontDoor
+from triptych.router.images import ImageLoader
 from triptych.router.metrics import FrontendMetrics
+from triptych.router.prompt import Prompt, completion_prompt, fit_context, prepare_chat, template_messages
 from triptych.router.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
-    ImagePart,
     ModelCard,
     ModelList,
-    TextPart,
-    VideoPart,
 )
+from triptych.router.state import RouterState
 from triptych.router.streaming import (
     CLIENT_GONE,
     STATUS_KEY,
-    Detokenizer,
     EventPump,
     Job,
     OutputText,
@@ -61,43 +57,9 @@ from triptych.sampling_params import SamplingParams
 
 log = logging.getLogger("triptych.router.api")
 
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 500, 503, 504)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429, 500, 503, 504)
 }
-
-
-class _ClientGone(Exception):
-    """The client disconnected before the response was complete."""
-
-
-@dataclass
-class Prompt:
-    """A validated, tokenized request ready for the backend."""
-
-    token_ids: list[int]
-    mm_items: list[Any] = field(default_factory=list)
-    images: list[bytes] = field(default_factory=list)
-
-
-@dataclass
-class RouterState:
-    config: RouterConfig
-    backend: Backend
-    processor: MultimodalProcessor
-    metrics: FrontendMetrics
-    images: ImageLoader
-    api_keys: frozenset[str]
-    max_model_len: int
-    placeholder_ids: frozenset[int]
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    @property
-    def model_name(self) -> str:
-        return self.config.model_name
-
-    def detokenizer(self, skip_special_tokens: bool) -> Detokenizer:
-        return self.processor.detokenizer(skip_special_tokens=skip_special_tokens)
 
 
 def create_app(config: RouterConfig, backend: Backend, *, processor: MultimodalProcessor | None = None,
@@ -112,6 +74,7 @@ def create_app(config: RouterConfig, backend: Backend, *, processor: MultimodalP
                                 window=config.slo_window, registry=registry),
         images=ImageLoader(config), api_keys=config.load_api_keys(),
         max_model_len=config.resolved_max_model_len(), placeholder_ids=read_placeholder_ids(config.model),
+        admin_token=config.load_admin_token(),
     )
 
     @asynccontextmanager
@@ -128,107 +91,6 @@ def create_app(config: RouterConfig, backend: Backend, *, processor: MultimodalP
     return app
 
 
-# --- front door: auth, body size, in-flight gauge, status counter -----------------------
-
-
-class FrontDoor:
-    """Pure ASGI middleware for /v1/*: checks the API key before the body is even read
-    (so an unauthenticated client learns nothing about validation), reads the body under
-    the size cap, turns an unexpected exception into a logged 500 in OpenAI's shape, and
-    records every generation request's final status once its response has ended."""
-
-    def __init__(self, app: ASGIApp, state: RouterState) -> None:
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
-        counted = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS
-        metrics = self.state.metrics
-        started: dict[str, int] = {}
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                started["status"] = message["status"]
-            await send(message)
-
-        if counted:
-            metrics.in_flight.labels(metrics.model).inc()
-        try:
-            self._authorize(scope)
-            replay = await _read_body(scope, receive, self.state.config.max_request_bytes)
-            await self.app(scope, replay, send_wrapper)
-        except OpenAIError as exc:
-            await _send_error(exc, scope, receive, send_wrapper, started)
-        except _ClientGone:
-            scope[STATUS_KEY] = CLIENT_GONE
-        except asyncio.CancelledError:
-            scope.setdefault(STATUS_KEY, CLIENT_GONE)
-            raise
-        except Exception:
-            log.exception("unhandled error serving %s", scope["path"])
-            err = OpenAIError(500, "internal server error", code="internal_error")
-            await _send_error(err, scope, receive, send_wrapper, started)
-        finally:
-            if counted:
-                metrics.in_flight.labels(metrics.model).dec()
-                metrics.request_done(scope.get(STATUS_KEY) or started.get("status", 500))
-
-    def _authorize(self, scope: Scope) -> None:
-        if not self.state.api_keys:
-            return
-        auth = next((v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"authorization"), "")
-        scheme, _, token = auth.partition(" ")
-        if not auth:
-            raise OpenAIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-        if scheme.lower() != "bearer" or not _key_matches(token.strip(), self.state.api_keys):
-            raise OpenAIError(401, "invalid API key", code="invalid_api_key")
-
-
-async def _send_error(err: OpenAIError, scope: Scope, receive: Receive, send: Send,
-                      started: dict[str, int]) -> None:
-    if "status" in started:  # too late for a status: the response is under way
-        return
-    await err.response()(scope, receive, send)
-
-
-def _key_matches(token: str, keys: frozenset[str]) -> bool:
-    # Compare against every key in constant time: timing must not reveal a key's prefix.
-    found = False
-    for key in keys:
-        found |= hmac.compare_digest(token.encode(), key.encode())
-    return found
-
-
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> Receive:
-    """Read the whole body under `limit` (413 past it, Content-Length or not), then hand
-    the app a receive that replays it and afterwards reports the client's disconnect."""
-    too_large = OpenAIError(413, f"request body is larger than the {limit} byte limit", code="request_too_large")
-    declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), b"")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
-    chunks: list[bytes] = []
-    total = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone()
-        total += len(message.get("body", b""))
-        if total > limit:
-            raise too_large
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            break
-    pending: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-    async def replay() -> Message:
-        return pending.pop() if pending else await receive()
-
-    return replay
-
-
 # --- generation endpoints -----------------------------------------------------------------
 
 
@@ -238,18 +100,18 @@ def _add_generation_routes(app: FastAPI, state: RouterState) -> None:
         _check_request(state, body)
         sampling = _sampling(body, body.requested_max_tokens)
         started = time.monotonic()
-        messages, refs = _template_messages(body.messages)
-        prompt = await _prepare_chat(state, messages, refs)
+        messages, refs = template_messages(body.messages, state.config)
+        prompt = await prepare_chat(state, messages, refs)
         state.metrics.preprocess.labels(state.model_name).observe(time.monotonic() - started)
-        sampling = _fit_context(state, len(prompt.token_ids), sampling, body.requested_max_tokens)
+        sampling = fit_context(state, len(prompt.token_ids), sampling, body.requested_max_tokens)
         return await _generate(state, request, body, prompt, sampling, chat=True)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_request(state, body)
         sampling = _sampling(body, body.max_tokens)
-        prompt = Prompt(token_ids=await asyncio.to_thread(_completion_prompt, state, body.prompt))
-        sampling = _fit_context(state, len(prompt.token_ids), sampling, body.max_tokens)
+        prompt = Prompt(token_ids=await asyncio.to_thread(completion_prompt, state, body.prompt))
+        sampling = fit_context(state, len(prompt.token_ids), sampling, body.max_tokens)
         return await _generate(state, request, body, prompt, sampling, chat=False)
 
 
@@ -286,121 +148,6 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
         raise InvalidRequestError(f"{name}: {err['msg']}", param=name) from None
 
 
-def _fit_context(state: RouterState, prompt_len: int, sampling: SamplingParams,
-                 requested: int | None) -> SamplingParams:
-    limit = state.max_model_len
-    room = limit - prompt_len
-    if room < 1:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {limit} tokens, but the prompt is {prompt_len} "
-            "tokens, which leaves no room for output. Shorten the messages or send fewer images.",
-            param="messages", code="context_length_exceeded")
-    if requested is not None and requested > room:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
-            "completion). Reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
-    return sampling.model_copy(update={"max_tokens": requested if requested is not None else room})
-
-
-# --- chat messages -> template messages + images ------------------------------------------
-
-
-def _template_messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[ImageRef]]:
-    """OpenAI messages -> Hugging Face chat-template messages. Image parts become the
-    template's own `{"type": "image"}` entries, in order (as vLLM does)."""
-    out: list[dict[str, Any]] = []
-    refs: list[ImageRef] = []
-    for i, msg in enumerate(messages):
-        role = "system" if msg.role == "developer" else msg.role
-        if msg.content is None:
-            raise InvalidRequestError(f"messages[{i}].content is required", param=f"messages[{i}].content")
-        if isinstance(msg.content, str):
-            out.append({"role": role, "content": msg.content})
-            continue
-        parts: list[dict[str, Any]] = []
-        for j, part in enumerate(msg.content):
-            where = f"messages[{i}].content[{j}]"
-            if isinstance(part, TextPart):
-                parts.append({"type": "text", "text": part.text})
-            elif isinstance(part, ImagePart):
-                parts.append({"type": "image"})
-                refs.append(ImageRef(part.image_url.url, f"{where}.image_url"))
-            elif isinstance(part, VideoPart):
-                raise InvalidRequestError("video_url content parts are not supported yet; send video "
-                                          "frames as image_url parts", param=where, code="unsupported_content")
-        out.append({"role": role, "content": parts})
-    return out, refs
-
-
-async def _prepare_chat(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef]) -> Prompt:
-    limit = state.config.max_images_per_request
-    if len(refs) > limit:
-        raise InvalidRequestError(f"too many images: {len(refs)} (this server accepts at most {limit} "
-                                  "per request)", param="messages", code="too_many_images")
-    blobs = list(await asyncio.gather(*(state.images.load(ref) for ref in refs)))
-    processed = await asyncio.to_thread(_process, state, messages, refs, blobs)
-    prompt = Prompt(token_ids=list(processed.token_ids), mm_items=list(processed.mm_items), images=blobs)
-    _check_placeholders(state, prompt)
-    return prompt
-
-
-def _process(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef],
-             blobs: list[bytes]) -> Any:
-    """Decode the images (pixel limit checked before decoding) and apply the template.
-    Runs in a worker thread: both are CPU work that must not stall the event loop."""
-    images = []
-    for ref, blob in zip(refs, blobs, strict=True):
-        try:
-            # The MM cache key is the hash of the bytes the client sent.
-            images.append(ImageInput.from_bytes(blob, state.config.max_image_pixels))
-        except ImageTooLargeError as exc:
-            raise InvalidRequestError(str(exc), param=ref.param, code="image_too_large") from None
-        except ProcessorError as exc:
-            raise InvalidRequestError(str(exc), param=ref.param, code="invalid_image") from None
-    try:
-        return state.processor.process(messages, images)
-    except ProcessorError as exc:  # the processor's contract: these are bad input
-        raise InvalidRequestError(str(exc), param="messages") from None
-
-
-def _check_placeholders(state: RouterState, prompt: Prompt) -> None:
-    """Text that spells the model's image placeholder token would shift every image's
-    embedding position: refuse it rather than serve a garbled answer."""
-    if not state.placeholder_ids:
-        return
-    covered = sum(int(getattr(item, "length", 0)) for item in prompt.mm_items)
-    found = sum(1 for t in prompt.token_ids if t in state.placeholder_ids)
-    if found != covered:
-        raise InvalidRequestError("the prompt text contains the model's image/video placeholder token; "
-                                  "remove it and send images as image_url parts", param="messages")
-
-
-def _completion_prompt(state: RouterState, prompt: str | list[str] | list[int] | list[list[int]]) -> list[int]:
-    if isinstance(prompt, list) and len(prompt) != 1 and (not prompt or not isinstance(prompt[0], int)):
-        raise InvalidRequestError("send exactly one prompt per request (batched prompts are not supported)",
-                                  param="prompt")
-    if isinstance(prompt, list) and not isinstance(prompt[0], int):
-        prompt = prompt[0]  # type: ignore[assignment]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        ids = list(state.processor.encode(prompt))
-    else:
-        ids = list(prompt)  # type: ignore[arg-type]
-        vocab = state.processor.vocab_size
-        if not ids:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
-                                      param="prompt")
-    if any(t in state.placeholder_ids for t in ids):
-        raise InvalidRequestError("the prompt contains the model's image/video placeholder token; "
-                                  "images need /v1/chat/completions", param="prompt")
-    return ids
-
-
 # --- running a request -------------------------------------------------------------------
 
 
@@ -418,6 +165,7 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
     metrics.prompt_tokens.labels(state.model_name).inc(len(prompt.token_ids))
     metrics.images.labels(state.model_name).inc(len(prompt.images))
     pump = EventPump(state.backend.generate(gen), state.config.abort_timeout_s)
+    request.scope[PUMP_KEY] = pump
     headers = {"X-Request-Id": request_id}
     try:
         if not body.stream:
@@ -428,7 +176,7 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
         await _until_disconnect(request, pump.prime())
     except BaseException as exc:
         await pump.close()
-        if isinstance(exc, _ClientGone):
+        if isinstance(exc, ClientGone):
             request.scope[STATUS_KEY] = CLIENT_GONE
             return Response(status_code=CLIENT_GONE)
         raise
@@ -441,7 +189,7 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Await `work` unless the client disconnects first (then cancel it, raise _ClientGone)."""
+    """Await `work` unless the client disconnects first (then cancel it, raise ClientGone)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
@@ -452,7 +200,7 @@ async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
             task.cancel()
             await asyncio.wait({task})
     if task.cancelled():
-        raise _ClientGone()
+        raise ClientGone()
     return task.result()
 
 
@@ -462,6 +210,16 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 # --- models, health, metrics ---------------------------------------------------------------
+
+PUBLIC_HEALTH_KEYS = ("status", "roles", "stages")
+
+
+def _is_admin(request: Request, state: RouterState) -> bool:
+    token = state.admin_token
+    auth = request.headers.get("authorization", "")
+    scheme, _, given = auth.partition(" ")
+    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
 
 
 def _add_service_routes(app: FastAPI, state: RouterState) -> None:
@@ -481,14 +239,17 @@ def _add_service_routes(app: FastAPI, state: RouterState) -> None:
         return card()
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         try:
             report = await asyncio.wait_for(state.backend.health(), state.config.health_timeout_s)
             if not isinstance(report, dict):
                 raise TypeError(f"backend.health() returned {type(report).__name__}, not a dict")
         except Exception as exc:  # a health probe must answer, whatever the backend does
             report = {"status": "unavailable", "error": f"{type(exc).__name__}: {exc}"}
-        return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
+        code = 200 if report.get("status") == "ok" else 503
+        if not _is_admin(request, state):  # others learn the status, not where the workers are
+            report = {k: v for k, v in report.items() if k in PUBLIC_HEALTH_KEYS}
+        return JSONResponse(report, status_code=code)
 
     @app.get("/live")
     async def live() -> dict[str, str]:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MiB = 1 << 20
+API_KEY_ENV = "TRIPTYCH_API_KEY"  # comma-separated keys, as an alternative to argv
+ADMIN_TOKEN_ENV = "TRIPTYCH_ADMIN_TOKEN"
 
 
 class RouterConfig(BaseModel):
@@ -30,7 +33,26 @@ class RouterConfig(BaseModel):
     max_image_bytes: int = Field(default=20 * MiB, ge=1)
     max_image_pixels: int = Field(default=4096 * 4096, ge=1)  # checked before decoding
     max_images_per_request: int = Field(default=16, ge=0)
+    # All images of one request together (sizes come from the headers, before any decode).
+    max_request_pixels: int = Field(default=4 * 4096 * 4096, ge=1)
+    # Bytes fetched over http(s) for one request, across all its URLs.
+    max_fetch_bytes_per_request: int = Field(default=64 * MiB, ge=1)
+    # Fetching from loopback, private, link-local or cloud-metadata addresses (tests, trusted LANs).
+    allow_private_image_hosts: bool = False
     max_request_bytes: int = Field(default=64 * MiB, ge=1)
+    max_messages: int = Field(default=1024, ge=1)
+    max_content_parts: int = Field(default=4096, ge=1)  # across all messages
+    max_prompt_chars: int = Field(default=1_000_000, ge=1)  # text in messages or prompt
+
+    # Slow or vanished clients: every read and write of a connection has a deadline.
+    header_read_timeout_s: float = Field(default=10.0, gt=0)
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    send_timeout_s: float = Field(default=30.0, gt=0)  # one write to a client that stopped reading
+    limit_concurrency: int = Field(default=2048, ge=1)  # open connections before new ones get 503
+
+    # Who sees every instance (URLs, ids) on /health: holders of the admin token.
+    admin_token: str | None = None
+    admin_token_file: Path | None = None
 
     # SLO (HydraInfer §2.3) for the attainment metrics.
     ttft_slo_s: float = Field(default=2.0, gt=0)
@@ -52,12 +74,16 @@ class RouterConfig(BaseModel):
 
     def load_api_keys(self) -> frozenset[str]:
         keys = {k.strip() for k in self.api_keys if k.strip()}
+        keys |= {k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()}
         if self.api_key_file is not None:
             for line in self.api_key_file.read_text().splitlines():
                 line = line.strip()
                 if line and not line.startswith("#"):
                     keys.add(line)
         return frozenset(keys)
+
+    def load_admin_token(self) -> str | None:
+        return read_secret(self.admin_token, self.admin_token_file, ADMIN_TOKEN_ENV)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> RouterConfig:
@@ -69,6 +95,8 @@ class RouterConfig(BaseModel):
             "api_key_file": getattr(args, "api_key_file", None),
             "allow_http_images": bool(getattr(args, "allow_http_images", False)),
             "image_host_allowlist": list(getattr(args, "image_host_allowlist", None) or []),
+            "allow_private_image_hosts": bool(getattr(args, "allow_private_image_hosts", False)),
+            "admin_token_file": getattr(args, "admin_token_file", None),
         }
         fields.update(overrides)
         return cls(**fields)
@@ -98,3 +126,13 @@ def read_placeholder_ids(model_dir: Path) -> frozenset[int]:
         return frozenset()
     keys = ("image_token_id", "video_token_id", "image_token_index", "video_token_index")
     return frozenset(v for k in keys if isinstance(v := cfg.get(k), int))
+
+
+def read_secret(value: str | None, path: Path | None, env: str) -> str | None:
+    """A token from (in order) the value given, a file, or the environment; None if unset.
+    Secrets come from files or the environment so they never show in `ps` output."""
+    if value:
+        return value.strip() or None
+    if path is not None:
+        return Path(path).read_text().strip() or None
+    return os.environ.get(env, "").strip() or None

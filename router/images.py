@@ -1,10 +1,14 @@
 """Image content parts -> encoded image bytes.
 
 `data:` URLs (base64) are always accepted. http(s) URLs are fetched only when the server
-enables it, and then only from allow-listed hosts, with a size cap, a wall-clock timeout
-and redirects followed by hand so every hop is checked against the allow-list again.
-Every other scheme (file://, ftp://, ...) is refused: a URL must never read the router's
-own disk or reach a host the operator did not name.
+enables it, and then only from allow-listed hosts (optionally pinned to a port), with a
+size cap per image and a byte budget per request, a wall-clock timeout, and redirects
+followed by hand so every hop is checked again. Each hop's host is resolved once, every
+address it resolves to must be a public one (not loopback, private, link-local, cloud
+metadata, ...) unless the server allows private hosts, and the connection goes to that
+checked address (Host header and TLS SNI keep the name): no DNS-rebinding window. Every
+other scheme (file://, ftp://, ...) is refused: a URL must never read the router's own
+disk or reach a host the operator did not name.
 
 Bytes are not decoded here; the processor checks the pixel count before decoding.
 """
@@ -14,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import ipaddress
+import socket
 from dataclasses import dataclass
 from urllib.parse import urljoin
 
@@ -32,6 +38,20 @@ _WHITESPACE = b" \t\r\n\x0b\x0c"
 class ImageRef:
     url: str
     param: str  # where the part sits in the request, e.g. "messages[0].content[1].image_url"
+
+
+class FetchBudget:
+    """Bytes one request may still fetch over http(s), across all its URLs."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def take(self, ref: ImageRef, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise _error(ref, f"the request's image URLs hold more than {self.limit} bytes in all",
+                         code="image_too_large")
 
 
 def _error(ref: ImageRef, message: str, code: str = "invalid_image_url") -> InvalidRequestError:
@@ -102,7 +122,7 @@ class ImageLoader:
             await self._client.aclose()
             self._client = None
 
-    async def load(self, ref: ImageRef) -> bytes:
+    async def load(self, ref: ImageRef, budget: FetchBudget | None = None) -> bytes:
         scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
         if scheme == "data":
             if len(ref.url) < _INLINE_DECODE_LIMIT:
@@ -110,18 +130,18 @@ class ImageLoader:
             # Decoding megabytes of base64 takes milliseconds: keep it off the event loop.
             return await asyncio.to_thread(decode_data_url, ref, self.config.max_image_bytes)
         if scheme in ("http", "https"):
-            return await self._fetch(ref)
+            return await self._fetch(ref, budget or FetchBudget(self.config.max_fetch_bytes_per_request))
         shown = f"'{scheme}:'" if scheme else "none"
         raise _error(ref, f"unsupported image URL scheme {shown}: send a base64 data: URL"
                      + (" or an http(s) URL" if self.config.allow_http_images else ""))
 
-    async def _fetch(self, ref: ImageRef) -> bytes:
+    async def _fetch(self, ref: ImageRef, budget: FetchBudget) -> bytes:
         if not self.config.allow_http_images:
             raise _error(ref, "fetching images over http(s) is disabled on this server; "
                               "send the image inline as a base64 data: URL")
         try:
             async with asyncio.timeout(self.config.image_fetch_timeout_s):
-                return await self._follow(ref)
+                return await self._follow(ref, budget)
         except TimeoutError:
             raise _error(ref, f"timed out after {self.config.image_fetch_timeout_s:g}s fetching "
                               f"{ref.url}", code="image_fetch_failed") from None
@@ -129,11 +149,17 @@ class ImageLoader:
             raise _error(ref, f"could not fetch {ref.url}: {type(exc).__name__}",
                          code="image_fetch_failed") from None
 
-    async def _follow(self, ref: ImageRef) -> bytes:
+    async def _follow(self, ref: ImageRef, budget: FetchBudget) -> bytes:
         url = ref.url
         for _ in range(MAX_REDIRECTS + 1):
             parsed = self._check_url(ref, url)
-            async with self._http().stream("GET", parsed) as resp:
+            address = await self._checked_address(ref, parsed)
+            headers = {"Host": parsed.netloc.decode("ascii")}
+            extensions = {"sni_hostname": parsed.host} if parsed.scheme == "https" else {}
+            request = self._http().build_request("GET", parsed.copy_with(host=address), headers=headers,
+                                                 extensions=extensions)
+            resp = await self._http().send(request, stream=True)
+            try:
                 if resp.is_redirect:
                     location = resp.headers.get("location")
                     if not location:
@@ -143,7 +169,9 @@ class ImageLoader:
                 if resp.status_code != 200:
                     raise _error(ref, f"fetching {url} returned HTTP {resp.status_code}",
                                  code="image_fetch_failed")
-                return await self._read_capped(ref, resp)
+                return await self._read_capped(ref, resp, budget)
+            finally:
+                await resp.aclose()
         raise _error(ref, f"more than {MAX_REDIRECTS} redirects fetching {ref.url}", code="image_fetch_failed")
 
     def _check_url(self, ref: ImageRef, url: str) -> httpx.URL:
@@ -158,7 +186,27 @@ class ImageLoader:
                          code="image_host_not_allowed")
         return parsed
 
-    async def _read_capped(self, ref: ImageRef, resp: httpx.Response) -> bytes:
+    async def _checked_address(self, ref: ImageRef, url: httpx.URL) -> str:
+        """Resolve once; every address must be public unless private hosts are allowed.
+        Returns the address to connect to, so a second lookup cannot change the answer."""
+        port = url.port or (443 if url.scheme == "https" else 80)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(url.host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise _error(ref, f"cannot resolve image host '{url.host}': {exc}", code="image_fetch_failed") from None
+        addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+        if not addresses:
+            raise _error(ref, f"image host '{url.host}' has no address", code="image_fetch_failed")
+        if not self.config.allow_private_image_hosts:
+            for addr in addresses:
+                if not addr.is_global:  # loopback, private, link-local (cloud metadata), reserved, ...
+                    raise _error(ref, f"image host '{url.host}' resolves to a non-public address ({addr}); "
+                                      "this server fetches only from public addresses",
+                                 code="image_host_not_allowed")
+        first = addresses[0]
+        return f"[{first}]" if first.version == 6 else str(first)
+
+    async def _read_capped(self, ref: ImageRef, resp: httpx.Response, budget: FetchBudget) -> bytes:
         cap = self.config.max_image_bytes
         too_big = _error(ref, f"image at {ref.url} is larger than the {cap} byte limit", code="image_too_large")
         declared = resp.headers.get("content-length", "")
@@ -167,6 +215,7 @@ class ImageLoader:
         buf = bytearray()
         async for chunk in resp.aiter_bytes():
             buf += chunk
+            budget.take(ref, len(chunk))
             if len(buf) > cap:
                 raise too_big
         if not buf:

@@ -17,12 +17,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
-import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
+from triptych.router.http_server import check_bind, run
 from triptych.router.orchestrator import Orchestrator, OrchestratorConfig
 from triptych.router.registry import Registry
 from triptych.router.routing import Chooser, Policy, parse_stage_policies
@@ -107,6 +107,7 @@ def cli_main(args: argparse.Namespace) -> int:
     orch = OrchestratorConfig(stage_timeout_s=args.stage_timeout, parallel_encode=not args.no_parallel_encode,
                               cache_affinity=not args.no_cache_affinity,
                               max_inflight=args.max_inflight_requests, max_instance_load=args.max_instance_load)
+    check_bind(args.host, config, getattr(args, "allow_no_api_key", False))
     app = build(config, list(args.workers), chooser, orch, discovery=_discovery(args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10)
+    run(app, args.host, args.port, config)
     return 0

@@ -123,10 +123,19 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--api-key", action="append", default=[])
-    p.add_argument("--api-key-file", default=None)
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accepted API key (repeatable; prefer --api-key-file or TRIPTYCH_API_KEY: argv is visible)")
+    p.add_argument("--api-key-file", default=None, help="file with one API key per line")
+    p.add_argument("--allow-no-api-key", action="store_true",
+                   help="serve a non-loopback --host without API keys (refused by default)")
+    p.add_argument("--admin-token-file", default=None,
+                   help="file holding the admin token (else TRIPTYCH_ADMIN_TOKEN): its holder sees every "
+                        "instance on /health")
     p.add_argument("--allow-http-images", action="store_true")
-    p.add_argument("--image-host-allowlist", nargs="*", default=[])
+    p.add_argument("--image-host-allowlist", nargs="*", default=[],
+                   help="hosts images may be fetched from: example.com, example.com:8080, *.example.com")
+    p.add_argument("--allow-private-image-hosts", action="store_true",
+                   help="let allow-listed hosts resolve to loopback/private/link-local addresses")
     p.add_argument("--discovery", choices=("static", "kubernetes"), default="static",
                    help="static: --workers; kubernetes: watch the worker pods of --k8s-deployment")
     p.add_argument("--k8s-namespace", default=None, help="namespace of the worker pods (kubernetes discovery)")
@@ -158,6 +167,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
+    p.add_argument("--api-key-file", default=None, help="the router's API keys, one per line (or TRIPTYCH_API_KEY)")
+    p.add_argument("--allow-no-api-key", action="store_true",
+                   help="serve a non-loopback --host without API keys (refused by default)")
     p.set_defaults(func=_lazy("triptych.local:cli_main"))
 
 

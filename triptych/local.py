@@ -172,6 +172,15 @@ class LocalDeployment:
         self.stop()
 
 
+def _router_passthrough(args: argparse.Namespace) -> list[str]:
+    out: list[str] = []
+    if getattr(args, "api_key_file", None):
+        out += ["--api-key-file", str(args.api_key_file)]
+    if getattr(args, "allow_no_api_key", False):
+        out.append("--allow-no-api-key")
+    return out
+
+
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     deployment = LocalDeployment(
@@ -180,6 +189,7 @@ def cli_main(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         transfer_require=args.transfer_require,
+        router_args=_router_passthrough(args),
     )
     stopping = False
 

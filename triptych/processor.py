@@ -19,6 +19,7 @@ import hashlib
 import io
 import json
 import math
+import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -96,18 +97,32 @@ class ProcessedPrompt:
 
 @dataclass(frozen=True)
 class ImageInput:
-    """A decoded image plus the hash that identifies its content (MM cache key)."""
+    """An image's displayed size and the hash that identifies its content (MM cache key),
+    plus the decoded pixels when they were decoded. The router only probes headers
+    (`probe`); the encode instance decodes (`from_bytes`)."""
 
-    image: Image.Image
+    image: Image.Image | None
     content_hash: str
+    width: int
+    height: int
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.width, self.height
 
     @classmethod
     def from_bytes(cls, data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageInput:
-        return cls(decode_image(data, max_pixels), hashlib.sha256(data).hexdigest())
+        image = decode_image(data, max_pixels)
+        return cls(image, hashlib.sha256(data).hexdigest(), *image.size)
+
+    @classmethod
+    def probe(cls, data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ImageInput:
+        """Size (EXIF orientation applied) from the header alone: no pixel is decoded."""
+        return cls(None, hashlib.sha256(data).hexdigest(), *probe_image(data, max_pixels))
 
     @classmethod
     def from_pil(cls, image: Image.Image) -> ImageInput:
-        return cls(image, pil_content_hash(image))
+        return cls(image, pil_content_hash(image), *image.size)
 
 
 def pil_content_hash(image: Image.Image) -> str:
@@ -124,6 +139,31 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Ima
     """Decode untrusted image bytes. The size in the header is checked against `max_pixels`
     before decoding; EXIF orientation is applied (as transformers' `load_image` does, so the
     token count matches what HF computes for the same file)."""
+    img = _open_checked(data, max_pixels)
+    try:
+        img.load()
+        img = ImageOps.exif_transpose(img)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise InvalidImageError(f"corrupt or truncated image: {e}") from None
+    return img
+
+
+def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> tuple[int, int]:
+    """(width, height) as `decode_image` would return them, read from the header only:
+    format and pixel limit checked, EXIF orientation applied, no pixel decoded. Corrupt pixel
+    data is found later, by the instance that decodes."""
+    img = _open_checked(data, max_pixels)
+    width, height = img.size
+    return (height, width) if _exif_orientation(img, data) in _TRANSPOSING_ORIENTATIONS else (width, height)
+
+
+# EXIF orientations that swap width and height (rotations by 90 or 270 degrees, transposes).
+_TRANSPOSING_ORIENTATIONS = frozenset({5, 6, 7, 8})
+_EXIF_ORIENTATION_TAG = 0x0112
+
+
+def _open_checked(data: bytes, max_pixels: int) -> Image.Image:
+    """Open lazily (header only) and check format and size."""
     if not data:
         raise InvalidImageError("empty image data")
     try:
@@ -139,12 +179,34 @@ def decode_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> Ima
         raise ImageTooLargeError(f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}")
     if width < 1 or height < 1:
         raise InvalidImageError(f"image has no pixels ({width}x{height})")
-    try:
-        img.load()
-        img = ImageOps.exif_transpose(img)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
-        raise InvalidImageError(f"corrupt or truncated image: {e}") from None
     return img
+
+
+def _exif_orientation(img: Image.Image, data: bytes) -> int:
+    raw = img.info.get("exif")
+    if raw is None and img.format == "PNG":
+        raw = _png_chunk(data, b"eXIf")  # PIL reads an eXIf chunk after the pixels only on load()
+    if not raw:
+        return 1
+    exif = Image.Exif()
+    try:
+        exif.load(raw)
+    except (OSError, ValueError, SyntaxError, struct.error):
+        return 1  # unreadable EXIF: decode_image's exif_transpose ignores it too
+    return int(exif.get(_EXIF_ORIENTATION_TAG, 1) or 1)
+
+
+def _png_chunk(data: bytes, kind: bytes) -> bytes | None:
+    """The payload of the first PNG chunk of `kind`, walking chunk headers (nothing inflated)."""
+    pos = 8  # after the signature
+    while pos + 8 <= len(data):
+        length, tag = struct.unpack(">I4s", data[pos:pos + 8])
+        if tag == kind:
+            return data[pos + 8:pos + 8 + length]
+        if tag == b"IEND":
+            return None
+        pos += 12 + length  # length, type, data, CRC
+    return None
 
 
 def _as_image_input(item: ImageInput | Image.Image | bytes, max_pixels: int) -> ImageInput:
@@ -462,7 +524,7 @@ class MultimodalProcessor:
         start = 0
         for index, (pos, img) in enumerate(zip(positions, images, strict=True)):
             out.extend(ids[start:pos])
-            width, height = img.image.size
+            width, height = img.size
             length = self.vision.num_tokens(width, height)
             items.append(MMItem(kind="image", index=index, offset=len(out), length=length,
                                 grid_thw=self.vision.grid_thw(width, height),

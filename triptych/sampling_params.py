@@ -13,7 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 MAX_STOP_STRINGS = 4
+MAX_STOP_STRING_CHARS = 1024  # per stop string: the matcher holds back this much text
+MAX_STOP_TOKEN_IDS = 64
 MAX_TOP_LOGPROBS = 20
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by 1e-300 gives inf/NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class SamplingParams(BaseModel):
@@ -25,10 +29,15 @@ class SamplingParams(BaseModel):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     max_tokens: int = Field(default=16, ge=1)
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @field_validator("temperature")
+    @classmethod
+    def _tiny_is_greedy(cls, temperature: float) -> float:
+        return 0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature
 
     @field_validator("stop")
     @classmethod
@@ -36,6 +45,8 @@ class SamplingParams(BaseModel):
         # An empty stop string would match at once and end every request with no output.
         if any(s == "" for s in stop):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise ValueError(f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters")
         return stop
 
     @field_validator("stop_token_ids")

@@ -16,7 +16,7 @@ from routerkit import ScriptedBackend, chat_body, image_part, png_bytes, reply_e
 
 from triptych.router.config import RouterConfig
 from triptych.router.errors import InvalidRequestError
-from triptych.router.images import ImageLoader, ImageRef, decode_data_url, host_allowed
+from triptych.router.images import FetchBudget, ImageLoader, ImageRef, decode_data_url, host_allowed
 
 PNG = png_bytes(40, 30)
 
@@ -78,7 +78,10 @@ def test_host_allow_list(url: str, allow: list[str], ok: bool) -> None:
 
 
 class _Handler(BaseHTTPRequestHandler):
+    hosts_seen: list[str] = []  # the Host header of every request served
+
     def do_GET(self) -> None:
+        _Handler.hosts_seen.append(self.headers.get("Host", ""))
         path = self.path
         if path == "/img.png":
             self._send(200, PNG)
@@ -130,7 +133,9 @@ def image_server() -> Iterator[str]:
 
 
 def loader(host: str, **overrides: object) -> ImageLoader:
+    # The test server listens on loopback, which only allow_private_image_hosts lets through.
     cfg = RouterConfig(model=".", allow_http_images=True, image_host_allowlist=[host],
+                       allow_private_image_hosts=True,
                        max_image_bytes=2000, image_fetch_timeout_s=10.0)  # generous: CI is loaded
     return ImageLoader(cfg.model_copy(update=overrides))
 
@@ -194,7 +199,8 @@ async def test_schemes_and_disabled_fetching() -> None:
 
 async def test_http_image_end_to_end(image_server, config, processor, make_client) -> None:
     backend = ScriptedBackend(script=lambda req: reply_events(processor))
-    cfg = config.model_copy(update={"allow_http_images": True, "image_host_allowlist": [image_server]})
+    cfg = config.model_copy(update={"allow_http_images": True, "image_host_allowlist": [image_server],
+                                    "allow_private_image_hosts": True})
     async with make_client(cfg, backend) as client:
         r = await client.post("/v1/chat/completions",
                               json=chat_body([image_part(url=f"http://{image_server}/img.png")]))
@@ -202,3 +208,36 @@ async def test_http_image_end_to_end(image_server, config, processor, make_clien
         assert backend.requests[0].images == [PNG] and len(backend.requests[0].mm_items) == 1
         r = await client.post("/v1/chat/completions", json=chat_body([image_part(url="http://example.com/a.png")]))
         assert r.status_code == 400 and r.json()["error"]["code"] == "image_host_not_allowed"
+
+
+async def test_allow_listed_host_resolving_to_loopback_is_refused(image_server: str) -> None:
+    port = image_server.split(":")[1]
+    for host in (f"localhost:{port}", image_server):  # a name and a literal, both loopback
+        images = loader(host, allow_private_image_hosts=False)
+        try:
+            err = await fetch_error(images, f"http://{host}/img.png")
+            assert err.code == "image_host_not_allowed" and "non-public address" in err.message
+        finally:
+            await images.aclose()
+    assert _Handler.hosts_seen.count(f"localhost:{port}") == 0  # refused before any connection
+
+
+async def test_connects_to_the_checked_address_with_the_name_in_host(image_server: str) -> None:
+    port = image_server.split(":")[1]
+    images = loader(f"localhost:{port}")
+    try:
+        assert await images.load(ref(f"http://localhost:{port}/img.png")) == PNG
+    finally:
+        await images.aclose()
+    assert _Handler.hosts_seen[-1] == f"localhost:{port}"
+
+
+async def test_byte_budget_across_a_requests_urls(image_server: str) -> None:
+    images = loader(image_server, max_fetch_bytes_per_request=len(PNG) + len(PNG) // 2)
+    budget = FetchBudget(images.config.max_fetch_bytes_per_request)
+    try:
+        assert await images.load(ref(f"http://{image_server}/img.png"), budget) == PNG
+        with pytest.raises(InvalidRequestError, match="bytes in all"):
+            await images.load(ref(f"http://{image_server}/img.png"), budget)
+    finally:
+        await images.aclose()
