@@ -1,0 +1,121 @@
+"""`triptych bench idle`: the CPU each process of an idle local deployment burns.
+
+An idle server should sleep. This starts a local deployment exactly as `triptych serve`
+does (triptych.local), waits until every process is ready (and `settle_s` more, so
+start-up work is over), then reads each process's CPU time (utime + stime from
+/proc/PID/stat: every thread of the process) at the start and the end of a window and
+reports the cores it used, (CPU seconds) / (wall seconds), per process and the most any
+one used. Linux only (/proc).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from triptych.bench.errors import BenchError
+
+
+def parse_stat(stat: str) -> tuple[str, int]:
+    """(state, utime + stime in clock ticks) from the text of /proc/PID/stat. The command
+    name (field 2) is in parentheses and may hold spaces and ')': the fields after it are
+    counted from the last ')'."""
+    rest = stat[stat.rindex(")") + 2:].split()
+    # rest[0] is field 3 (state); utime and stime are fields 14 and 15.
+    return rest[0], int(rest[11]) + int(rest[12])
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) the process `pid` has used so far;
+    ProcessLookupError once it has exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError as exc:
+        raise ProcessLookupError(pid) from exc
+    state, ticks = parse_stat(stat)
+    if state in ("Z", "X"):  # exited; a zombie's entry stays until its parent reaps it
+        raise ProcessLookupError(pid)
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class ProcessCpu:
+    name: str
+    pid: int
+    cpu_s: float
+    cores: float  # cpu_s / window_s
+
+
+def sample_cpu(pids: Mapping[str, int], seconds: float) -> list[ProcessCpu]:
+    """Cores each process used over a window of `seconds` (wall clock, measured)."""
+    if not seconds > 0:
+        raise BenchError(f"the window must be > 0 s, got {seconds}")
+    if not os.path.isdir("/proc/self"):
+        raise BenchError("CPU sampling reads /proc/PID/stat: Linux only")
+
+    def read_all() -> dict[str, float]:
+        out = {}
+        for name, pid in pids.items():
+            try:
+                out[name] = cpu_seconds(pid)
+            except ProcessLookupError:
+                raise BenchError(f"{name} (pid {pid}) exited during the measurement") from None
+        return out
+
+    t0, start = time.monotonic(), read_all()
+    time.sleep(seconds)
+    end, window = read_all(), time.monotonic() - t0
+    return [ProcessCpu(name, pid, round(end[name] - start[name], 3), round((end[name] - start[name]) / window, 3))
+            for name, pid in pids.items()]
+
+
+def idle_report(procs: Sequence[ProcessCpu]) -> dict[str, Any]:
+    return {"processes": [asdict(p) for p in procs], "idle_cpu_cores": max((p.cores for p in procs), default=0.0)}
+
+
+def deployment_idle_cpu(dep: Any, seconds: float, settle_s: float = 0.0) -> dict[str, Any]:
+    """The idle report of a started triptych.local.LocalDeployment (its router and each
+    instance), after `settle_s` of quiet."""
+    time.sleep(settle_s)
+    return idle_report(sample_cpu({p.name: p.popen.pid for p in dep.processes}, seconds))
+
+
+def format_idle(rep: Mapping[str, Any]) -> str:
+    width = max((len(p["name"]) for p in rep["processes"]), default=7)
+    lines = [f"{'process':<{width}}  {'pid':>7}  {'cpu_s':>7}  {'cores':>6}"]
+    lines += [f"{p['name']:<{width}}  {p['pid']:>7}  {p['cpu_s']:>7.2f}  {p['cores']:>6.3f}" for p in rep["processes"]]
+    lines.append(f"idle CPU (most any one process used): {rep['idle_cpu_cores']:.3f} cores "
+                 f"over {rep['window_s']:g} s")
+    return "\n".join(lines)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    from triptych.local import LocalDeployment, StartupError, resolve_model
+    from triptych.topology import TopologyError, parse_topology
+
+    try:
+        if not args.seconds > 0 or args.settle < 0:
+            raise BenchError(f"need --seconds > 0 and --settle >= 0, got {args.seconds}, {args.settle}")
+        try:
+            topology = parse_topology(args.topology)
+        except TopologyError as exc:
+            raise BenchError(str(exc)) from exc
+        dep = LocalDeployment(model=resolve_model(args.model), topology=topology,
+                              transfer_require=args.transfer_require)
+        print(f"starting {args.topology} ({dep.model.name}); sampling {args.seconds:g} s once ready",
+              file=sys.stderr, flush=True)
+        with dep:
+            rep = {"topology": args.topology, "window_s": args.seconds,
+                   **deployment_idle_cpu(dep, args.seconds, args.settle)}
+    except (BenchError, StartupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rep, indent=2) if args.json else format_idle(rep))
+    return 0
