@@ -11,7 +11,14 @@ import time
 import pytest
 
 from triptych.bench.errors import BenchError
-from triptych.bench.idle_cpu import ProcessCpu, cpu_seconds, idle_report, parse_stat, sample_cpu
+from triptych.bench.idle_cpu import (
+    ProcessCpu,
+    cpu_seconds,
+    idle_report,
+    parse_stat,
+    runnable_delta_s,
+    sample_cpu,
+)
 from triptych.cli import main
 
 
@@ -20,6 +27,11 @@ def test_stat_fields_are_counted_after_the_last_parenthesis() -> None:
     fields_after_comm = ["S", "1", "2", "3", "0", "-1", "4194560", "10", "0", "0", "0", "111", "22", "5", "6"]
     stat = "4242 (we) ird (name) " + " ".join(fields_after_comm) + "\n"
     assert parse_stat(stat) == ("S", 133)
+
+
+def test_runnable_time_counts_live_and_new_threads() -> None:
+    # Thread 1 grew by 20 ns, thread 3 was born (7 ns), thread 2 died (its time is lost).
+    assert runnable_delta_s({1: 10, 2: 5}, {1: 30, 3: 7}) == pytest.approx(27e-9)
 
 
 BURN = """
@@ -72,6 +84,7 @@ def test_a_sleeping_process_uses_no_cores_and_the_max_is_reported() -> None:
         procs = sample_cpu({"sleeper": child.pid}, seconds=0.5)
         assert procs[0].name == "sleeper" and procs[0].pid == child.pid
         assert procs[0].cpu_s <= 0.02 and procs[0].cores <= 0.04
+        assert procs[0].runnable_cores is not None and procs[0].runnable_cores <= 0.04
     finally:
         child.kill()
         child.wait(timeout=10)
@@ -90,5 +103,6 @@ def test_bench_idle_json_against_a_local_deployment(capsys: pytest.CaptureFixtur
     rep = json.loads(capsys.readouterr().out)
     assert [p["name"] for p in rep["processes"]] == ["worker-EPD-0", "router"]
     assert all(p["pid"] > 0 and p["cpu_s"] >= 0 and p["cores"] >= 0 for p in rep["processes"])
+    assert all(p["runnable_cores"] >= p["cores"] - 0.02 for p in rep["processes"])  # ticks vs ns
     assert rep["idle_cpu_cores"] == max(p["cores"] for p in rep["processes"])
     assert rep["window_s"] == 1 and rep["topology"] == "EPD"

@@ -6,6 +6,11 @@ start-up work is over), then reads each process's CPU time (utime + stime from
 /proc/PID/stat: every thread of the process) at the start and the end of a window and
 reports the cores it used, (CPU seconds) / (wall seconds), per process and the most any
 one used. Linux only (/proc).
+
+On a machine shared with other load, a process that spins gets less CPU than it asks
+for. Each process's threads' /proc/PID/task/TID/schedstat (time on a CPU + time waiting
+runnable in a run queue) gives `runnable_cores` too: what it would have used with a CPU
+free for every runnable thread, i.e. on a quiet machine.
 """
 
 from __future__ import annotations
@@ -45,12 +50,37 @@ def cpu_seconds(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def runnable_ns_by_thread(pid: int) -> dict[int, int]:
+    """Per thread of `pid`: nanoseconds on a CPU + nanoseconds runnable but waiting for one
+    (the first two fields of /proc/PID/task/TID/schedstat)."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError as exc:
+        raise ProcessLookupError(pid) from exc
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run_ns, wait_ns = f.read().split()[:2]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread exited meanwhile
+        out[int(tid)] = int(run_ns) + int(wait_ns)
+    return out
+
+
+def runnable_delta_s(before: Mapping[int, int], after: Mapping[int, int]) -> float:
+    """Seconds runnable between two readings: threads seen in both count their growth,
+    threads born in between all of theirs; threads that died in between are lost."""
+    return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
+
+
 @dataclass
 class ProcessCpu:
     name: str
     pid: int
     cpu_s: float
     cores: float  # cpu_s / window_s
+    runnable_cores: float | None = None  # (on CPU + waiting for one) / window_s
 
 
 def sample_cpu(pids: Mapping[str, int], seconds: float) -> list[ProcessCpu]:
@@ -60,11 +90,11 @@ def sample_cpu(pids: Mapping[str, int], seconds: float) -> list[ProcessCpu]:
     if not os.path.isdir("/proc/self"):
         raise BenchError("CPU sampling reads /proc/PID/stat: Linux only")
 
-    def read_all() -> dict[str, float]:
+    def read_all() -> dict[str, tuple[float, dict[int, int]]]:
         out = {}
         for name, pid in pids.items():
             try:
-                out[name] = cpu_seconds(pid)
+                out[name] = cpu_seconds(pid), runnable_ns_by_thread(pid)
             except ProcessLookupError:
                 raise BenchError(f"{name} (pid {pid}) exited during the measurement") from None
         return out
@@ -72,8 +102,13 @@ def sample_cpu(pids: Mapping[str, int], seconds: float) -> list[ProcessCpu]:
     t0, start = time.monotonic(), read_all()
     time.sleep(seconds)
     end, window = read_all(), time.monotonic() - t0
-    return [ProcessCpu(name, pid, round(end[name] - start[name], 3), round((end[name] - start[name]) / window, 3))
-            for name, pid in pids.items()]
+    procs = []
+    for name, pid in pids.items():
+        cpu_s = end[name][0] - start[name][0]
+        runnable = runnable_delta_s(start[name][1], end[name][1]) if end[name][1] else None
+        procs.append(ProcessCpu(name, pid, round(cpu_s, 3), round(cpu_s / window, 3),
+                                None if runnable is None else round(runnable / window, 3)))
+    return procs
 
 
 def idle_report(procs: Sequence[ProcessCpu]) -> dict[str, Any]:
@@ -89,10 +124,12 @@ def deployment_idle_cpu(dep: Any, seconds: float, settle_s: float = 0.0) -> dict
 
 def format_idle(rep: Mapping[str, Any]) -> str:
     width = max((len(p["name"]) for p in rep["processes"]), default=7)
-    lines = [f"{'process':<{width}}  {'pid':>7}  {'cpu_s':>7}  {'cores':>6}"]
-    lines += [f"{p['name']:<{width}}  {p['pid']:>7}  {p['cpu_s']:>7.2f}  {p['cores']:>6.3f}" for p in rep["processes"]]
+    lines = [f"{'process':<{width}}  {'pid':>7}  {'cpu_s':>7}  {'cores':>6}  {'runnable':>8}"]
+    lines += [f"{p['name']:<{width}}  {p['pid']:>7}  {p['cpu_s']:>7.2f}  {p['cores']:>6.3f}  "
+              f"{'-' if p['runnable_cores'] is None else format(p['runnable_cores'], '.3f'):>8}"
+              for p in rep["processes"]]
     lines.append(f"idle CPU (most any one process used): {rep['idle_cpu_cores']:.3f} cores "
-                 f"over {rep['window_s']:g} s")
+                 f"over {rep['window_s']:g} s (runnable: on a CPU or waiting for one)")
     return "\n".join(lines)
 
 
