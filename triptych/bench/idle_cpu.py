@@ -8,9 +8,10 @@ reports the cores it used, (CPU seconds) / (wall seconds), per process and the m
 one used. Linux only (/proc).
 
 On a machine shared with other load, a process that spins gets less CPU than it asks
-for. Each process's threads' /proc/PID/task/TID/schedstat (time on a CPU + time waiting
-runnable in a run queue) gives `runnable_cores` too: what it would have used with a CPU
-free for every runnable thread, i.e. on a quiet machine.
+for, so `cores` is a lower bound of its idle cost there. Its threads'
+/proc/PID/task/TID/schedstat (time on a CPU + time runnable in a run queue) give
+`runnable_cores`, an upper bound: a spinning thread would have run all that time, but a
+thread that wakes often also counts its wake-up latency. On a quiet machine they agree.
 """
 
 from __future__ import annotations
