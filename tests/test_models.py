@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from float_bounds import assert_close_fp32
 from hf_reference import hf_inputs, hf_model, make_test_image
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -31,7 +32,6 @@ from triptych.worker.models import (
 )
 
 FAMILIES = ("qwen2-vl", "qwen2.5-vl", "llava")
-ATOL = 1e-4
 
 
 @dataclass
@@ -169,7 +169,7 @@ def test_one_shot_prefill_matches_hf(loaded: LoadedModel, family: str, block_siz
     (ours,) = runner.step([(0, prompt.embeds, prompt.positions)])
     reference = hf_logits(family, prompt, [])
     assert ours.shape == reference.shape
-    assert (ours - reference).abs().max() < ATOL
+    assert_close_fp32(ours, reference)
 
 
 @pytest.mark.parametrize("block_size", [16, 1])
@@ -184,7 +184,7 @@ def test_chunked_prefill_split_inside_image_matches_hf(
     runner = PagedRunner(loaded.language, block_size, seed=1)
     outs = [runner.step([(0, e, p)])[0] for e, p in _chunks(prompt, [3, inside, inside + 5])]
     reference = hf_logits(family, prompt, [])
-    assert (torch.cat(outs) - reference).abs().max() < ATOL
+    assert_close_fp32(torch.cat(outs), reference)
 
 
 def test_decode_steps_batched_match_hf_and_single_sequence_runs(loaded: LoadedModel, family: str) -> None:
@@ -223,9 +223,9 @@ def test_decode_steps_batched_match_hf_and_single_sequence_runs(loaded: LoadedMo
         reference = hf_logits(family, prompt, generated)[prompt.ids.shape[0] - 1 :]
         ours = torch.stack(logits[seq])
         assert ours.shape == reference.shape
-        assert (ours - reference).abs().max() < ATOL, f"sequence {seq}"
+        assert_close_fp32(ours, reference, msg=f"sequence {seq}")
         alone = _decode_alone(loaded, prompt, generated)
-        assert (ours - alone).abs().max() < 1e-5, f"sequence {seq} batched vs alone"
+        assert_close_fp32(ours, alone, msg=f"sequence {seq} batched vs alone")
 
 
 def _decode_work(loaded: LoadedModel, seq: int, prompt: Prompt, tokens: list[int]) -> tuple:
@@ -316,8 +316,8 @@ def test_vision_encode_batches_across_images_like_hf(loaded: LoadedModel, family
             ).pooler_output
     for item, ours, single, ref in zip(inputs, together, alone, reference, strict=True):
         assert ours.shape == (item.num_tokens, loaded.spec.hidden_size) == tuple(ref.shape)
-        assert (ours - single).abs().max() < 1e-5
-        assert (ours - ref).abs().max() < ATOL
+        assert_close_fp32(ours, single)
+        assert_close_fp32(ours, ref)
 
 
 # --- role-scoped loading ---------------------------------------------------------------------
@@ -538,7 +538,7 @@ def test_qwen_video_input_layout(qwen: str) -> None:
     assert torch.equal(video.pixel_values[h * w :], third)
     out = model.vision.encode([video, still])
     assert [o.shape[0] for o in out] == [video.num_tokens, still.num_tokens]
-    assert (out[1] - model.vision.encode([still])[0]).abs().max() < 1e-5
+    assert_close_fp32(out[1], model.vision.encode([still])[0])
     with pytest.raises(ValueError, match="different grids"):
         model.vision.preprocess_video([image, make_test_image(1, 200, 60)])
 
@@ -588,7 +588,7 @@ def test_llava_with_qwen2_text_backbone_matches_hf(tmp_path: Path) -> None:
         reference = model(input_ids=ids[None], pixel_values=vision_input.pixel_values[None]).logits[0]
     positions, _ = prompt_positions(ours.spec, ids.tolist(), [])
     (logits,) = PagedRunner(ours.language, 4).step([(0, embeds, positions)])
-    assert (logits - reference).abs().max() < ATOL
+    assert_close_fp32(logits, reference)
 
 
 def test_only_the_needed_part_is_read_from_safetensors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -58,7 +58,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--output-len", type=int, default=32)
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--json", action="store_true")
-    e.set_defaults(func=_lazy("triptych.worker.bench:cli_main"))
+    e.set_defaults(func=_lazy("triptych.bench.engine:cli_main"))
     s = bsub.add_parser("serve", help="Poisson load against a running router (or local topologies)")
     s.add_argument("--url", default=None, help="router base URL (or use --topologies)")
     s.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
@@ -87,7 +87,17 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--model", default="tiny", help="with --topologies: checkpoint directory, or 'tiny'")
     s.add_argument("--transfer-require", choices=("any", "nixl"), default="nixl")
     s.add_argument("--log-dir", default=None, help="with --topologies: process logs go here")
-    s.set_defaults(func=_lazy("triptych.router.bench:cli_main"))
+    s.add_argument("--idle-seconds", type=float, default=3.0,
+                   help="with --topologies: measure idle CPU this long before the load (0: skip)")
+    s.set_defaults(func=_lazy("triptych.bench.serve:cli_main"))
+    i = bsub.add_parser("idle", help="CPU each process of an idle local deployment uses")
+    i.add_argument("--topology", default="1E1P1D")
+    i.add_argument("--seconds", type=float, default=20.0, help="length of the sampling window")
+    i.add_argument("--settle", type=float, default=2.0, help="seconds to wait after ready before sampling")
+    i.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    i.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_lazy("triptych.bench.idle_cpu:cli_main"))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:

@@ -1,22 +1,30 @@
 """Raw READ bandwidth between two transfer agents in two processes over loopback.
 
-`triptych bench serve` prints it next to the serving figures, so migration times can be
-read against what the transport itself does. Run: `python -m triptych.worker.transfer.bandwidth`.
+`triptych bench serve --measure-nixl` prints it next to the serving figures, so migration
+times can be read against what the transport itself does. Run alone:
+`python -m triptych.bench.nixl_bandwidth`. torch and the worker's transfer code are
+imported only when measuring: `bench serve` imports this module and stays torch-free.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import sys
 import time
-from typing import Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
-import torch
-
-from triptych.worker.transfer.loopback import RegionSpec, SourcePeer, pattern
-from triptych.worker.transfer.nixl import TransferEngine
+from triptych.bench.errors import BenchError
 
 
 def _measure(nbytes: int, iters: int, require: Literal["nixl", "any"]) -> tuple[float, str]:
+    import torch
+
+    from triptych.worker.transfer.loopback import RegionSpec, SourcePeer, pattern
+    from triptych.worker.transfer.nixl import TransferEngine
+
     if nbytes <= 0 or iters <= 0:
         raise ValueError(f"nbytes and iters must be > 0, got {nbytes}, {iters}")
     spec = RegionSpec((1, nbytes), "uint8", seed=7)  # one block: one descriptor per READ
@@ -38,6 +46,34 @@ def _measure(nbytes: int, iters: int, require: Literal["nixl", "any"]) -> tuple[
 def measure_read_bandwidth(nbytes: int, iters: int, *, require: Literal["nixl", "any"] = "nixl") -> float:
     """Bytes/s of back-to-back READs of one `nbytes` region (after one warm-up READ)."""
     return _measure(nbytes, iters, require)[0]
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """NIXL logs to fd 1 (here and in the source peer's child process); `--json` must
+    keep stdout to the one JSON object."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def measure_nixl(mib: int, iters: int = 10) -> dict[str, Any]:
+    """The serving report's fields for raw loopback NIXL READ bandwidth; a failure is
+    reported in `nixl_read_error`, never raised (the serving figures stand without it)."""
+    if mib < 1 or iters < 1:
+        raise BenchError(f"need --nixl-mib >= 1 and iters >= 1, got {mib}, {iters}")
+    try:
+        with stdout_to_stderr():
+            bps = measure_read_bandwidth(mib << 20, iters, require="nixl")
+        return {"nixl_read_gib_s": bps / 2**30, "nixl_read_mib": mib, "nixl_read_iters": iters}
+    except Exception as exc:  # report, don't lose the serving figures over it
+        return {"nixl_read_gib_s": None, "nixl_read_mib": mib, "nixl_read_error": f"{type(exc).__name__}: {exc}"}
 
 
 def main(argv: list[str] | None = None) -> None:

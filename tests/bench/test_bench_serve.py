@@ -20,31 +20,30 @@ import uvicorn
 from PIL import Image
 from routerkit import ScriptedBackend, reply_events
 
-from triptych.local import free_port
-from triptych.processor import MultimodalProcessor
-from triptych.router.api import create_app
-from triptych.router.bench import (
-    BenchError,
-    RequestResult,
-    Workload,
-    _stdout_to_stderr,
-    build_bodies,
-    goodput,
+from triptych.bench.client import send_request
+from triptych.bench.errors import BenchError
+from triptych.bench.nixl_bandwidth import stdout_to_stderr
+from triptych.bench.prom_text import (
     histogram_buckets,
     histogram_quantile,
-    make_image_data_url,
-    meets_slo,
     metric_deltas,
     migration_figures,
-    next_sweep_rate,
     parse_metrics,
+)
+from triptych.bench.report import plot_attainment
+from triptych.bench.stats import (
+    RequestResult,
+    goodput,
+    meets_slo,
+    next_sweep_rate,
     percentile,
-    plot_attainment,
-    poisson_arrivals,
-    send_request,
     slo_attainment,
     timeline_result,
 )
+from triptych.bench.workload import Workload, build_bodies, make_image_data_url, poisson_arrivals
+from triptych.local import free_port
+from triptych.processor import MultimodalProcessor
+from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
 
 # --- percentiles -----------------------------------------------------------------------------
@@ -236,7 +235,7 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
 
 
 def test_nixl_logs_cannot_pollute_json_stdout(capfd: pytest.CaptureFixture[str]) -> None:
-    with _stdout_to_stderr():
+    with stdout_to_stderr():
         os.write(1, b"native log line\n")
         subprocess.run([sys.executable, "-c", "print('child log line')"], timeout=60, check=True)
     os.write(1, b"{}\n")
@@ -246,7 +245,7 @@ def test_nixl_logs_cannot_pollute_json_stdout(capfd: pytest.CaptureFixture[str])
 
 
 def test_the_module_imports_no_torch() -> None:
-    code = "import sys, triptych.router.bench; sys.exit('torch' in sys.modules)"
+    code = "import sys, triptych.bench.serve, triptych.bench.idle_cpu; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 

@@ -1,0 +1,131 @@
+"""Open-loop Poisson load against a running router: every rate of a plan (a list, or a
+goodput sweep), each request timed from its SSE stream, the workers' /metrics scraped
+before and after each rate for the EP/PD migration figures. The report's semantics
+follow HydraInfer §2.3 (see stats.py). A client: it imports no torch."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from triptych.bench.client import Endpoints, discover, scrape, send_request
+from triptych.bench.errors import BenchError
+from triptych.bench.prom_text import Sample, metric_deltas, migration_figures
+from triptych.bench.report import progress, rate_line
+from triptych.bench.stats import SLO, RequestResult, goodput, next_sweep_rate, summarize
+from triptych.bench.workload import Workload, build_bodies, poisson_arrivals
+
+
+async def run_rate(client: httpx.AsyncClient, ends: Endpoints, bodies: Sequence[bytes], rate: float,
+                   seed: int, slo: SLO, timeout_s: float) -> tuple[dict[str, Any], list[Sample], list[Sample]]:
+    """Send `bodies` at Poisson arrivals of `rate`/s; summary plus the metric scrapes
+    taken before and after."""
+    arrivals = poisson_arrivals(rate, len(bodies), seed)
+    before = await scrape(client, ends.all)
+    url = f"{ends.router}/v1/chat/completions"
+    t0 = time.perf_counter()
+
+    async def one(at: float, body: bytes) -> RequestResult:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        return await send_request(client, url, body, timeout_s, ends.headers)
+
+    results = await asyncio.gather(*(one(at, b) for at, b in zip(arrivals, bodies, strict=True)))
+    duration = time.perf_counter() - t0
+    after = await scrape(client, ends.all)
+    report = {"rate": rate, **summarize(results, slo, duration), **migration_figures(metric_deltas(before, after))}
+    report["_results"] = results
+    return report, before, after
+
+
+@dataclass
+class RunConfig:
+    work: Workload
+    slo: SLO
+    rates: list[float]
+    sweep: bool = False
+    sweep_max_rate: float = 64.0
+    sweep_steps: int = 2
+    seed: int = 0
+    timeout_s: float = 120.0
+    warmup: int = 1  # requests sent one by one first, not counted (connections, first transfers)
+
+    def check(self) -> None:
+        self.work.check()
+        self.slo.check()
+        if self.warmup < 0:
+            raise BenchError(f"--warmup must be >= 0, got {self.warmup}")
+        if not self.rates or any(not r > 0 for r in self.rates):
+            raise BenchError(f"rates must be > 0, got {self.rates}")
+        if self.timeout_s <= 0 or self.sweep_steps < 0:
+            raise BenchError("need --request-timeout > 0 and --sweep-steps >= 0")
+
+    def rate_plan(self) -> Callable[[list[tuple[float, float | None]]], float | None]:
+        """Given the (rate, attainment) points so far, the next rate to run (None: done)."""
+        if self.sweep:
+            return lambda pts: next_sweep_rate(pts, start=self.rates[0], max_rate=self.sweep_max_rate,
+                                               refine_steps=self.sweep_steps, target=self.slo.target)
+        return lambda pts: self.rates[len(pts)] if len(pts) < len(self.rates) else None
+
+
+async def _warm_up(client: httpx.AsyncClient, ends: Endpoints, cfg: RunConfig, model: str) -> None:
+    """A few requests before measuring, so the first rate does not pay for connection set-up
+    and first NIXL transfers. A failure here stops the run: the router cannot serve."""
+    if not cfg.warmup:
+        return
+    work = Workload(**{**asdict(cfg.work), "num_requests": cfg.warmup})
+    for body in await asyncio.to_thread(build_bodies, work, model, cfg.seed - 1):
+        r = await send_request(client, f"{ends.router}/v1/chat/completions", body, cfg.timeout_s, ends.headers)
+        if not r.ok:
+            raise BenchError(f"warm-up request failed: {r.error}")
+    progress(f"warm-up: {cfg.warmup} request(s) ok")
+
+
+async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
+                    headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run every rate of the plan against the router at `url`; the full report."""
+    cfg.check()
+    url = url.rstrip("/")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits, trust_env=False) as client:
+        model, ends = await discover(client, url, worker_urls, headers or {})
+        if not ends.workers:
+            progress("warning: no worker URLs (router /health lists none; pass --worker-urls): "
+                 "migration figures will be empty")
+        await _warm_up(client, ends, cfg, model)
+        plan = cfg.rate_plan()
+        reports: list[dict[str, Any]] = []
+        all_results: list[RequestResult] = []
+        first_before: list[Sample] | None = None
+        last_after: list[Sample] = []
+        while (rate := plan([(r["rate"], r["slo_attainment"]) for r in reports])) is not None:
+            # Fresh images per round: a repeated image would hit the embedding cache.
+            bodies = await asyncio.to_thread(build_bodies, cfg.work, model, cfg.seed + 1000 * len(reports))
+            progress(f"rate {rate:g} req/s: sending {len(bodies)} requests")
+            report, before, last_after = await run_rate(client, ends, bodies, rate, cfg.seed + len(reports),
+                                                        cfg.slo, cfg.timeout_s)
+            first_before = before if first_before is None else first_before
+            all_results.extend(report.pop("_results"))
+            reports.append(report)
+            progress("  " + rate_line(report))
+    duration = sum(r["duration_s"] for r in reports)
+    pooled = summarize(all_results, cfg.slo, duration)
+    points = [(r["rate"], r["slo_attainment"]) for r in reports]
+    gp = goodput(points, cfg.slo.target)
+    return {
+        "url": url, "model": model, "workers": ends.workers,
+        "workload": asdict(cfg.work), "slo": asdict(cfg.slo), "seed": cfg.seed, "sweep": cfg.sweep,
+        "goodput_rps": gp,
+        # No failing rate above it was measured: the true goodput may be higher.
+        "goodput_is_lower_bound": gp is not None and not any(r > gp for r, _ in points),
+        "attainment_by_rate": {f"{r:g}": a for r, a in points},
+        **pooled,
+        **migration_figures(metric_deltas(first_before or [], last_after)),
+        "rates": reports,
+    }
+
+
