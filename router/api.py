@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from triptych import __version__
 from triptych.processor import MultimodalProcessor
+from triptych.router import tokenize
 from triptych.router.backend import Backend, GenerationRequest
 from triptych.router.config import RouterConfig, read_placeholder_ids
 from triptych.router.errors import InvalidRequestError, OpenAIError, install_error_handlers
@@ -88,6 +89,7 @@ def create_app(config: RouterConfig, backend: Backend, *, processor: MultimodalP
     app.add_middleware(FrontDoor, state=state)
     _add_generation_routes(app, state)
     _add_service_routes(app, state)
+    tokenize.add_routes(app, state)
     return app
 
 

@@ -17,6 +17,7 @@ from triptych.router.streaming import CLIENT_GONE, STATUS_KEY
 log = logging.getLogger("triptych.router.front_door")
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GUARDED_PATHS = ("/tokenize", "/detokenize")  # outside /v1, but they take bodies and cost CPU
 
 
 class ClientGone(Exception):
@@ -41,7 +42,7 @@ class FrontDoor:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http" or not (scope["path"].startswith("/v1/") or scope["path"] in GUARDED_PATHS):
             await self.app(scope, receive, send)
             return
         counted = scope["method"] == "POST" and scope["path"] in GENERATION_PATHS

@@ -90,21 +90,22 @@ def template_messages(messages: list[ChatMessage], config: RouterConfig,
     return out, refs
 
 
-async def prepare_chat(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef]) -> Prompt:
+async def prepare_chat(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef],
+                       add_generation_prompt: bool = True) -> Prompt:
     limit = state.config.max_images_per_request
     if len(refs) > limit:
         raise InvalidRequestError(f"too many images: {len(refs)} (this server accepts at most {limit} "
                                   "per request)", param="messages", code="too_many_images")
     budget = FetchBudget(state.config.max_fetch_bytes_per_request)
     blobs = list(await asyncio.gather(*(state.images.load(ref, budget) for ref in refs)))
-    processed = await asyncio.to_thread(_process, state, messages, refs, blobs)
+    processed = await asyncio.to_thread(_process, state, messages, refs, blobs, add_generation_prompt)
     prompt = Prompt(token_ids=list(processed.token_ids), mm_items=list(processed.mm_items), images=blobs)
     _check_placeholders(state, prompt)
     return prompt
 
 
 def _process(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef],
-             blobs: list[bytes]) -> Any:
+             blobs: list[bytes], add_generation_prompt: bool = True) -> Any:
     """Read each image's size from its header (no pixel is decoded here: the encode instance
     decodes, once) and apply the template. Runs in a worker thread (hashing and
     tokenization are CPU work that must not stall the event loop)."""
@@ -125,7 +126,7 @@ def _process(state: RouterState, messages: list[dict[str, Any]], refs: list[Imag
                                       code="image_too_large")
         images.append(image)
     try:
-        return state.processor.process(messages, images)
+        return state.processor.process(messages, images, add_generation_prompt=add_generation_prompt)
     except ProcessorError as exc:  # the processor's contract: these are bad input
         raise InvalidRequestError(str(exc), param="messages") from None
 

@@ -500,11 +500,11 @@ class MultimodalProcessor:
 
     def process(self, messages: Sequence[dict[str, Any]],
                 images: Sequence[ImageInput | Image.Image | bytes] = (),
-                **template_kwargs: Any) -> ProcessedPrompt:
+                add_generation_prompt: bool = True, **template_kwargs: Any) -> ProcessedPrompt:
         """Chat template (generation prompt added), tokenization, and each image placeholder
         expanded to that image's number of visual tokens."""
         inputs = [_as_image_input(img, self.max_image_pixels) for img in images]
-        ids = self.encode(self.render(messages, add_generation_prompt=True, **template_kwargs))
+        ids = self.encode(self.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs))
         return self.expand(ids, inputs)
 
     def process_text(self, prompt: str, images: Sequence[ImageInput | Image.Image | bytes] = ()
