@@ -3,7 +3,12 @@
 Rule: walk the stages E -> P -> D; keep the request on the instance that ran the previous
 stage when it can run this one too (no transfer), otherwise choose among the instances
 that can by the stage's policy. Images of one request may be spread over several
-encode-capable instances (intra-request parallel encoding, EPDServe §3.2.2).
+encode-capable instances (intra-request parallel encoding, EPDServe §3.2.2), and an image
+goes where its embedding is likely cached (affinity.py).
+
+`plan_request` returns the final `Plan`: the encode-only runs to do first, then the hops
+in order, each saying which images it encodes itself. Plans are immutable; the
+orchestrator carries one out as it is.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from triptych.router.affinity import AffinityIndex
 from triptych.router.registry import Instance, Registry
 from triptych.topology import STAGE_ORDER, Stage
 
@@ -32,10 +38,42 @@ class NoInstanceError(RuntimeError):
         self.stage = stage
 
 
-@dataclass
+AFFINITY_POLICY = "cache-affinity"  # the policy label of an image placed by affinity
+
+
+@dataclass(frozen=True)
 class Hop:
+    """One run of contiguous stages of the request on one instance."""
+
     instance: Instance
-    stages: list[Stage]
+    stages: tuple[Stage, ...]
+    images: tuple[str, ...] = ()  # content hashes this hop encodes itself (with ENCODE in stages)
+
+
+@dataclass(frozen=True)
+class EncodeRun:
+    """Encode-only work done before the hops, on an instance other than the one that
+    prefills; the prefill hop pulls the embeddings it hands over."""
+
+    instance: Instance
+    images: tuple[str, ...]  # content hashes, in prompt order
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One routing choice, for `triptych_frontend_routing_decisions_total`."""
+
+    stage: Stage
+    policy: str
+    outcome: str  # chosen, kept_local, affinity
+
+
+@dataclass(frozen=True)
+class Plan:
+    encodes: tuple[EncodeRun, ...]  # run concurrently, first
+    hops: tuple[Hop, ...]  # then in order; the last one decodes
+    placement: tuple[tuple[str, str], ...] = ()  # (content hash, URL of the instance encoding it)
+    decisions: tuple[Decision, ...] = ()
 
 
 @dataclass
@@ -89,20 +127,60 @@ def stages_for(has_images: bool) -> list[Stage]:
     return list(STAGE_ORDER) if has_images else [Stage.PREFILL, Stage.DECODE]
 
 
-def plan_path(registry: Registry, chooser: Chooser, stages: list[Stage],
-              exclude: set[str] = frozenset()) -> list[Hop]:
+def plan_path(registry: Registry, chooser: Chooser, stages: Sequence[Stage],
+              exclude: set[str] | frozenset[str] = frozenset()) -> list[Hop]:
     """Group the stages into hops, one per instance, following the keep-local rule."""
-    hops: list[Hop] = []
+    groups: list[tuple[Instance, list[Stage]]] = []
     for stage in stages:
-        if hops and hops[-1].instance.can_run(stage):
-            hops[-1].stages.append(stage)
+        if groups and groups[-1][0].can_run(stage):
+            groups[-1][1].append(stage)
             continue
-        hops.append(Hop(chooser.choose(stage, registry.capable(stage, exclude)), [stage]))
-    return hops
+        groups.append((chooser.choose(stage, registry.capable(stage, exclude)), [stage]))
+    return [Hop(inst, tuple(group)) for inst, group in groups]
+
+
+def plan_request(registry: Registry, chooser: Chooser, image_hashes: Sequence[str],
+                 exclude: set[str] | frozenset[str] = frozenset(), *, parallel_encode: bool = True,
+                 affinity: AffinityIndex | None = None) -> Plan:
+    """The whole path of one request: hops by the keep-local rule, then where each distinct
+    image is encoded (IRP spread, then affinity, which wins). Raises NoInstanceError."""
+    hashes = list(dict.fromkeys(image_hashes))
+    path = plan_path(registry, chooser, stages_for(bool(hashes)), exclude)
+    decisions = [Decision(stage, chooser.policy_for(stage).value, "chosen" if i == 0 else "kept_local")
+                 for hop in path for i, stage in enumerate(hop.stages)]
+    if not hashes:
+        return Plan((), tuple(path), (), tuple(decisions))
+    first = path[0]
+    if parallel_encode and len(hashes) > 1:
+        picks = spread_images(registry, chooser, len(hashes), first.instance, exclude)
+    else:
+        picks = [first.instance] * len(hashes)
+    if affinity is not None:
+        held = [affinity.holder(h, registry, exclude) for h in hashes]
+        decisions += [Decision(Stage.ENCODE, AFFINITY_POLICY, "affinity") for h in held if h is not None]
+        picks = [h or p for h, p in zip(held, picks, strict=True)]
+    # An E-only first hop is done by encode runs (when any image is still placed on it).
+    hops = path if first.stages != (Stage.ENCODE,) else path[1:]
+    prefill_at = next(i for i, h in enumerate(hops) if Stage.PREFILL in h.stages)
+    prefill = hops[prefill_at]
+    # Images placed on the instance that prefills are encoded in its own hop: an encode-only
+    # run there would hand embeddings to itself under the same id.
+    local = tuple(h for h, inst in zip(hashes, picks, strict=True) if inst is prefill.instance)
+    stages = prefill.stages
+    if local and Stage.ENCODE not in stages:
+        stages = (Stage.ENCODE, *stages)
+    hops = [*hops[:prefill_at], Hop(prefill.instance, stages, local), *hops[prefill_at + 1:]]
+    remote: dict[str, tuple[Instance, list[str]]] = {}
+    for h, inst in zip(hashes, picks, strict=True):
+        if inst is not prefill.instance:
+            remote.setdefault(inst.url, (inst, []))[1].append(h)
+    encodes = tuple(EncodeRun(inst, tuple(hs)) for inst, hs in remote.values())
+    placement = tuple((h, inst.url) for h, inst in zip(hashes, picks, strict=True))
+    return Plan(encodes, tuple(hops), placement, tuple(decisions))
 
 
 def spread_images(registry: Registry, chooser: Chooser, num_images: int, first: Instance,
-                  exclude: set[str] = frozenset()) -> list[Instance]:
+                  exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
     """Intra-request parallel encoding: image i goes to the i-th pick among E-capable instances.
 
     The first image stays on `first` (the hop's instance) so an EP instance keeps what it can.

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from triptych.router.orchestrator import AffinityIndex
+from triptych.router.affinity import AffinityIndex
 from triptych.router.registry import Instance, Registry
 from triptych.router.routing import (
     Chooser,
