@@ -150,33 +150,36 @@ def plan_request(registry: Registry, chooser: Chooser, image_hashes: Sequence[st
                  for hop in path for i, stage in enumerate(hop.stages)]
     if not hashes:
         return Plan((), tuple(path), (), tuple(decisions))
-    first = path[0]
     if parallel_encode and len(hashes) > 1:
-        picks = spread_images(registry, chooser, len(hashes), first.instance, exclude)
+        picks = spread_images(registry, chooser, len(hashes), path[0].instance, exclude)
     else:
-        picks = [first.instance] * len(hashes)
+        picks = [path[0].instance] * len(hashes)
     if affinity is not None:
         held = [affinity.holder(h, registry, exclude) for h in hashes]
         decisions += [Decision(Stage.ENCODE, AFFINITY_POLICY, "affinity") for h in held if h is not None]
         picks = [h or p for h, p in zip(held, picks, strict=True)]
-    # An E-only first hop is done by encode runs (when any image is still placed on it).
-    hops = path if first.stages != (Stage.ENCODE,) else path[1:]
-    prefill_at = next(i for i, h in enumerate(hops) if Stage.PREFILL in h.stages)
-    prefill = hops[prefill_at]
-    # Images placed on the instance that prefills are encoded in its own hop: an encode-only
-    # run there would hand embeddings to itself under the same id.
-    local = tuple(h for h, inst in zip(hashes, picks, strict=True) if inst is prefill.instance)
-    stages = prefill.stages
-    if local and Stage.ENCODE not in stages:
-        stages = (Stage.ENCODE, *stages)
-    hops = [*hops[:prefill_at], Hop(prefill.instance, stages, local), *hops[prefill_at + 1:]]
+    placement = list(zip(hashes, picks, strict=True))
+    encodes, hops = _encode_where_placed(path, placement)
+    return Plan(encodes, hops, tuple((h, inst.url) for h, inst in placement), tuple(decisions))
+
+
+def _encode_where_placed(path: list[Hop], placement: list[tuple[str, Instance]]
+                         ) -> tuple[tuple[EncodeRun, ...], tuple[Hop, ...]]:
+    """Turn the images' placement into work: the instance that prefills encodes its images
+    in its own hop (an encode-only run there would hand embeddings to itself under the same
+    id); every other instance gets one encode-only run. An E-only first hop is replaced by
+    those runs."""
+    hops = path[1:] if path[0].stages == (Stage.ENCODE,) else path
+    at = next(i for i, hop in enumerate(hops) if Stage.PREFILL in hop.stages)
+    prefill = hops[at]
+    local = tuple(h for h, inst in placement if inst is prefill.instance)
+    stages = (Stage.ENCODE, *prefill.stages) if local and Stage.ENCODE not in prefill.stages else prefill.stages
     remote: dict[str, tuple[Instance, list[str]]] = {}
-    for h, inst in zip(hashes, picks, strict=True):
+    for h, inst in placement:
         if inst is not prefill.instance:
             remote.setdefault(inst.url, (inst, []))[1].append(h)
     encodes = tuple(EncodeRun(inst, tuple(hs)) for inst, hs in remote.values())
-    placement = tuple((h, inst.url) for h, inst in zip(hashes, picks, strict=True))
-    return Plan(encodes, tuple(hops), placement, tuple(decisions))
+    return encodes, (*hops[:at], Hop(prefill.instance, stages, local), *hops[at + 1:])
 
 
 def spread_images(registry: Registry, chooser: Chooser, num_images: int, first: Instance,
