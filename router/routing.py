@@ -3,7 +3,12 @@
 Rule: walk the stages E -> P -> D; keep the request on the instance that ran the previous
 stage when it can run this one too (no transfer), otherwise choose among the instances
 that can by the stage's policy. Images of one request may be spread over several
-encode-capable instances (intra-request parallel encoding, EPDServe §3.2.2).
+encode-capable instances (intra-request parallel encoding, EPDServe §3.2.2), and an image
+goes where its embedding is likely cached (affinity.py).
+
+`plan_request` returns the final `Plan`: the encode-only runs to do first, then the hops
+in order, each saying which images it encodes itself. Plans are immutable; the
+orchestrator carries one out as it is.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from triptych.router.affinity import AffinityIndex
 from triptych.router.registry import Instance, Registry
 from triptych.topology import STAGE_ORDER, Stage
 
@@ -32,10 +38,42 @@ class NoInstanceError(RuntimeError):
         self.stage = stage
 
 
-@dataclass
+AFFINITY_POLICY = "cache-affinity"  # the policy label of an image placed by affinity
+
+
+@dataclass(frozen=True)
 class Hop:
+    """One run of contiguous stages of the request on one instance."""
+
     instance: Instance
-    stages: list[Stage]
+    stages: tuple[Stage, ...]
+    images: tuple[str, ...] = ()  # content hashes this hop encodes itself (with ENCODE in stages)
+
+
+@dataclass(frozen=True)
+class EncodeRun:
+    """Encode-only work done before the hops, on an instance other than the one that
+    prefills; the prefill hop pulls the embeddings it hands over."""
+
+    instance: Instance
+    images: tuple[str, ...]  # content hashes, in prompt order
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One routing choice, for `triptych_frontend_routing_decisions_total`."""
+
+    stage: Stage
+    policy: str
+    outcome: str  # chosen, kept_local, affinity
+
+
+@dataclass(frozen=True)
+class Plan:
+    encodes: tuple[EncodeRun, ...]  # run concurrently, first
+    hops: tuple[Hop, ...]  # then in order; the last one decodes
+    placement: tuple[tuple[str, str], ...] = ()  # (content hash, URL of the instance encoding it)
+    decisions: tuple[Decision, ...] = ()
 
 
 @dataclass
@@ -89,20 +127,63 @@ def stages_for(has_images: bool) -> list[Stage]:
     return list(STAGE_ORDER) if has_images else [Stage.PREFILL, Stage.DECODE]
 
 
-def plan_path(registry: Registry, chooser: Chooser, stages: list[Stage],
-              exclude: set[str] = frozenset()) -> list[Hop]:
+def plan_path(registry: Registry, chooser: Chooser, stages: Sequence[Stage],
+              exclude: set[str] | frozenset[str] = frozenset()) -> list[Hop]:
     """Group the stages into hops, one per instance, following the keep-local rule."""
-    hops: list[Hop] = []
+    groups: list[tuple[Instance, list[Stage]]] = []
     for stage in stages:
-        if hops and hops[-1].instance.can_run(stage):
-            hops[-1].stages.append(stage)
+        if groups and groups[-1][0].can_run(stage):
+            groups[-1][1].append(stage)
             continue
-        hops.append(Hop(chooser.choose(stage, registry.capable(stage, exclude)), [stage]))
-    return hops
+        groups.append((chooser.choose(stage, registry.capable(stage, exclude)), [stage]))
+    return [Hop(inst, tuple(group)) for inst, group in groups]
+
+
+def plan_request(registry: Registry, chooser: Chooser, image_hashes: Sequence[str],
+                 exclude: set[str] | frozenset[str] = frozenset(), *, parallel_encode: bool = True,
+                 affinity: AffinityIndex | None = None) -> Plan:
+    """The whole path of one request: hops by the keep-local rule, then where each distinct
+    image is encoded (IRP spread, then affinity, which wins). Raises NoInstanceError."""
+    hashes = list(dict.fromkeys(image_hashes))
+    path = plan_path(registry, chooser, stages_for(bool(hashes)), exclude)
+    decisions = [Decision(stage, chooser.policy_for(stage).value, "chosen" if i == 0 else "kept_local")
+                 for hop in path for i, stage in enumerate(hop.stages)]
+    if not hashes:
+        return Plan((), tuple(path), (), tuple(decisions))
+    if parallel_encode and len(hashes) > 1:
+        picks = spread_images(registry, chooser, len(hashes), path[0].instance, exclude)
+    else:
+        picks = [path[0].instance] * len(hashes)
+    if affinity is not None:
+        held = [affinity.holder(h, registry, exclude) for h in hashes]
+        decisions += [Decision(Stage.ENCODE, AFFINITY_POLICY, "affinity") for h in held if h is not None]
+        picks = [h or p for h, p in zip(held, picks, strict=True)]
+    placement = list(zip(hashes, picks, strict=True))
+    encodes, hops = _encode_where_placed(path, placement)
+    return Plan(encodes, hops, tuple((h, inst.url) for h, inst in placement), tuple(decisions))
+
+
+def _encode_where_placed(path: list[Hop], placement: list[tuple[str, Instance]]
+                         ) -> tuple[tuple[EncodeRun, ...], tuple[Hop, ...]]:
+    """Turn the images' placement into work: the instance that prefills encodes its images
+    in its own hop (an encode-only run there would hand embeddings to itself under the same
+    id); every other instance gets one encode-only run. An E-only first hop is replaced by
+    those runs."""
+    hops = path[1:] if path[0].stages == (Stage.ENCODE,) else path
+    at = next(i for i, hop in enumerate(hops) if Stage.PREFILL in hop.stages)
+    prefill = hops[at]
+    local = tuple(h for h, inst in placement if inst is prefill.instance)
+    stages = (Stage.ENCODE, *prefill.stages) if local and Stage.ENCODE not in prefill.stages else prefill.stages
+    remote: dict[str, tuple[Instance, list[str]]] = {}
+    for h, inst in placement:
+        if inst is not prefill.instance:
+            remote.setdefault(inst.url, (inst, []))[1].append(h)
+    encodes = tuple(EncodeRun(inst, tuple(hs)) for inst, hs in remote.values())
+    return encodes, (*hops[:at], Hop(prefill.instance, stages, local), *hops[at + 1:])
 
 
 def spread_images(registry: Registry, chooser: Chooser, num_images: int, first: Instance,
-                  exclude: set[str] = frozenset()) -> list[Instance]:
+                  exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
     """Intra-request parallel encoding: image i goes to the i-th pick among E-capable instances.
 
     The first image stays on `first` (the hop's instance) so an EP instance keeps what it can.

@@ -12,9 +12,9 @@ frees them. Handles are opaque to the router: it only carries them along.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, TypeAdapter
 
 from triptych.sampling_params import SamplingParams
 from triptych.topology import Stage
@@ -94,7 +94,17 @@ class ErrorEvent(BaseModel):
     message: str
 
 
-StageEvent = EncodedEvent | TokensEvent | PrefilledEvent | FinishedEvent | ErrorEvent
+# One line of a `/internal/run` answer: the `type` field says which event it is. Each
+# event is written as its own model's JSON (`event.model_dump_json()`), so the union
+# changes nothing on the wire; readers parse a line with `parse_stage_event`.
+StageEvent = Annotated[EncodedEvent | TokensEvent | PrefilledEvent | FinishedEvent | ErrorEvent,
+                       Field(discriminator="type")]
+STAGE_EVENT = TypeAdapter(StageEvent)
+
+
+def parse_stage_event(line: str | bytes) -> StageEvent:
+    """One NDJSON line -> its event; pydantic's ValidationError when it is none of them."""
+    return STAGE_EVENT.validate_json(line)
 
 
 class RoleSwitch(BaseModel):

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
-from triptych.router.orchestrator import AffinityIndex
+from triptych.router.affinity import AffinityIndex
 from triptych.router.registry import Instance, Registry
 from triptych.router.routing import (
     Chooser,
+    EncodeRun,
+    Hop,
     NoInstanceError,
     Policy,
     parse_stage_policies,
     plan_path,
+    plan_request,
     spread_images,
     stages_for,
 )
@@ -134,3 +138,45 @@ def test_decode_hop_deadline_grows_with_max_tokens():
     assert orch._deadline([Stage.ENCODE], req) == 10
     assert orch._deadline([Stage.PREFILL], req) == 10
     assert orch._deadline([Stage.PREFILL, Stage.DECODE], req) == 60
+
+
+def test_plan_request_returns_the_final_plan_with_image_placement():
+    """E then EP (1E1EP1D): IRP places image a on E (an encode-only run first) and b on EP,
+    which prefills, so EP's own hop encodes b; the E-only hop itself is gone."""
+    reg = registry("1E1EP1D")
+    plan = plan_request(reg, Chooser(), ["a", "b", "a"])
+    e0, ep0, d0 = (reg.instances[f"http://{n}"] for n in ("e0", "ep0", "d0"))
+    assert plan.encodes == (EncodeRun(e0, ("a",)),)
+    assert plan.hops == (Hop(ep0, (Stage.ENCODE, Stage.PREFILL), ("b",)), Hop(d0, (Stage.DECODE,)))
+    assert plan.placement == (("a", "http://e0"), ("b", "http://ep0"))
+    assert [(d.stage.value, d.outcome) for d in plan.decisions] == [
+        ("encode", "chosen"), ("prefill", "chosen"), ("decode", "chosen")]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.hops[0].images = ()  # type: ignore[misc]
+
+
+def test_plan_request_without_parallel_encoding_and_for_text():
+    reg = registry("2E1P1D")
+    plan = plan_request(reg, Chooser(), ["a", "b"], parallel_encode=False)
+    assert [(r.instance.url, r.images) for r in plan.encodes] == [("http://e0", ("a", "b"))]
+    assert [(h.instance.url, h.stages, h.images) for h in plan.hops] == [
+        ("http://p0", (Stage.PREFILL,), ()), ("http://d0", (Stage.DECODE,), ())]
+    text = plan_request(reg, Chooser(), [])
+    assert text.encodes == () and text.placement == () and [h.instance.url for h in text.hops] == [
+        "http://p0", "http://d0"]
+
+
+def test_plan_request_places_images_by_affinity_first():
+    reg = registry("2E1P1D")
+    index = AffinityIndex(capacity=8)
+    index.remember("a", "http://e1")
+    plan = plan_request(reg, Chooser(), ["a", "b"], affinity=index)  # IRP alone: a -> e0, b -> e1
+    assert [(r.instance.url, r.images) for r in plan.encodes] == [("http://e1", ("a", "b"))]
+    assert [(d.stage, d.policy, d.outcome) for d in plan.decisions if d.outcome == "affinity"] == [
+        (Stage.ENCODE, "cache-affinity", "affinity")]
+    # The holder may be the instance that prefills: it then encodes in its own hop.
+    reg = registry("1E1EP1D")
+    index.remember("a", "http://ep0")
+    plan = plan_request(reg, Chooser(), ["a"], affinity=index)
+    assert plan.encodes == () and plan.hops[0].stages == (Stage.ENCODE, Stage.PREFILL)
+    assert plan.hops[0].images == ("a",)

@@ -1,0 +1,136 @@
+"""The router's side of the stage protocol (triptych/stage_protocol.py): one call runs one
+hop on one instance and yields its parsed events; aborts fan out to instances.
+
+Failures are sorted here. Bad input a worker refuses (a 4xx other than 408/429, or an
+`error` event with a 4xx status) is the client's: BackendError with that status, never
+retried. Anything else — a 5xx, a dropped connection, silence longer than the read
+timeout, a line that is no stage event — is the instance's: StageFailure, which the
+orchestrator may retry elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+
+import httpx
+from pydantic import ValidationError
+
+from triptych.router.backend import BackendError
+from triptych.router.registry import Instance
+from triptych.router.routing_metrics import RoutingMetrics
+from triptych.stage_protocol import (
+    EncodedEvent,
+    ErrorEvent,
+    FinishedEvent,
+    PrefilledEvent,
+    StageEvent,
+    StageRequest,
+    parse_stage_event,
+)
+from triptych.topology import Stage
+
+log = logging.getLogger("triptych.router.stage_client")
+
+
+class StageFailure(Exception):
+    """A hop failed on its instance; another instance may succeed if nothing reached the client yet."""
+
+    def __init__(self, instance: Instance, message: str, status: int = 502, stage: Stage | None = None) -> None:
+        super().__init__(message)
+        self.instance = instance
+        self.status = status
+        self.stage = stage
+
+
+class StageClient:
+    def __init__(self, client: httpx.AsyncClient, metrics: RoutingMetrics) -> None:
+        self.client = client
+        self.metrics = metrics
+
+    async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float) -> AsyncIterator[StageEvent]:
+        """POST /internal/run and yield its events (never an `error` one: those raise).
+        `read_timeout_s` bounds each silence on the stream."""
+        timeout = httpx.Timeout(connect=5.0, read=read_timeout_s, write=30.0, pool=5.0)
+        inst.inflight += 1
+        started = time.monotonic()
+        label = "".join(s.value[0].upper() for s in sreq.stages)
+        outcome = "error"
+        try:
+            async with self.client.stream("POST", f"{inst.url}/internal/run", content=sreq.model_dump_json(),
+                                          headers={"content-type": "application/json"},
+                                          timeout=timeout) as resp:
+                if resp.status_code >= 400:
+                    body = (await resp.aread()).decode(errors="replace")
+                    if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+                        raise BackendError(resp.status_code, _error_message(body))
+                    raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {body[:200]}",
+                                       status=503 if resp.status_code in (429, 503) else 502)
+                async for line in resp.aiter_lines():
+                    if line.strip():
+                        event = _checked(inst, line)
+                        # The caller may stop reading at a terminal event: the hop succeeded.
+                        outcome = "ok" if _terminal(event) else outcome
+                        yield event
+            outcome = "ok"
+        except StageFailure as failure:
+            outcome = "error"
+            failure.stage = failure.stage or sreq.stages[0]
+            raise
+        except httpx.TimeoutException as exc:
+            outcome = "error"
+            raise StageFailure(inst, f"{inst.url} timed out after {time.monotonic() - started:.1f}s",
+                               status=504, stage=sreq.stages[0]) from exc
+        except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
+            outcome = "error"
+            raise StageFailure(inst, f"{inst.url} failed: {type(exc).__name__}: {exc}",
+                               stage=sreq.stages[0]) from exc
+        finally:
+            inst.inflight -= 1
+            self.metrics.hop_seconds.labels(label, outcome).observe(time.monotonic() - started)
+
+    async def abort(self, urls: Iterable[str], request_ids: Iterable[str], timeout_s: float) -> None:
+        """Best effort, concurrently: POST /internal/abort/{id} for every (instance, id) pair.
+        Shielded, so a caller being cancelled still lets the aborts go out."""
+        async def one(url: str, request_id: str) -> None:
+            try:
+                await self.client.post(f"{url}/internal/abort/{request_id}", timeout=timeout_s)
+            except httpx.HTTPError as exc:
+                log.debug("abort of %s on %s failed: %s", request_id, url, exc)
+
+        ids = list(request_ids)
+        await asyncio.shield(asyncio.gather(*(one(u, i) for u in urls for i in ids)))
+
+
+def _checked(inst: Instance, line: str) -> StageEvent:
+    try:
+        event = parse_stage_event(line)
+    except ValidationError as exc:  # a worker that breaks the protocol has failed
+        raise StageFailure(inst, f"{inst.url} sent a line that is no stage event: {line[:200]!r}") from exc
+    if isinstance(event, ErrorEvent):
+        if 400 <= event.status < 500:
+            raise BackendError(event.status, event.message)
+        raise StageFailure(inst, f"{inst.url}: {event.message}", status=event.status)
+    return event
+
+
+def _terminal(event: StageEvent) -> bool:
+    """The event that ends a successful hop: a hand-over, or the finish of a generation."""
+    if isinstance(event, FinishedEvent):
+        return event.finish_reason != "abort"
+    return isinstance(event, EncodedEvent | PrefilledEvent)
+
+
+def _error_message(body: str) -> str:
+    """The message of an OpenAI-style (or plain) JSON error body, else the body itself."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(data, dict):
+        return body
+    error = data.get("error")
+    return (error.get("message") if isinstance(error, dict) else None) or data.get("message") or body
