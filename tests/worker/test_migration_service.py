@@ -363,3 +363,19 @@ async def test_lease_pump_wakes_for_an_offer_from_another_thread() -> None:
         assert await eventually(lambda: freed == [1], timeout_s=2)
     finally:
         pump.cancel()
+
+
+def test_the_engine_is_a_block_store() -> None:
+    """InstanceRuntime hands its Engine to the service as the BlockStore: same names, same
+    parameters (a rename in the engine must fail here, not mid-hand-off)."""
+    import inspect
+
+    from triptych.worker.engine import Engine
+    from triptych.worker.migration import BlockStore
+
+    members = [n for n in vars(BlockStore) if not n.startswith("_")]
+    assert sorted(members) == ["acquire_mm", "commit_mm", "free_kv", "release", "release_mm", "reserve_kv",
+                               "reserve_mm"]
+    for name in members:
+        want = list(inspect.signature(getattr(BlockStore, name)).parameters)
+        assert list(inspect.signature(getattr(Engine, name)).parameters) == want, name
