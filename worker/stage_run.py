@@ -58,7 +58,7 @@ async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, l
     except BaseException:
         migration.release_embeddings(reserved)
         if prefilled is not None:
-            migration.store.free_kv(prefilled.block_ids)
+            migration.discard_kv(prefilled.block_ids)
         raise
     return req, reserved
 

@@ -23,7 +23,7 @@ class FakeMigration:
     def __init__(self, kv_fails: bool) -> None:
         self.kv_fails = kv_fails
         self.released: list[Any] = []
-        self.store = SimpleNamespace(freed=[], free_kv=lambda ids: self.store.freed.append(ids))
+        self.freed: list[list[int]] = []
 
     async def pull_embeddings(self, sources: list[MMSource]) -> list[Any]:
         return [f"entry-{s.content_hash}" for s in sources]
@@ -35,6 +35,9 @@ class FakeMigration:
 
     def release_embeddings(self, entries: list[Any]) -> None:
         self.released.extend(entries)
+
+    def discard_kv(self, block_ids: list[int]) -> None:
+        self.freed.append(block_ids)
 
 
 def instance(role: InstanceType, migration: FakeMigration) -> InstanceRuntime:
@@ -58,7 +61,7 @@ async def test_failed_kv_pull_releases_the_pulled_embeddings() -> None:
     with pytest.raises(PullFailedError) as err:
         await prepare(instance(InstanceType.PD, migration), stage_request(**SOURCES))
     assert http_status(err.value) == 502
-    assert migration.released == ["entry-h1"] and migration.store.freed == []
+    assert migration.released == ["entry-h1"] and migration.freed == []
 
 
 async def test_request_that_cannot_be_built_frees_its_pulled_kv(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,7 +72,7 @@ async def test_request_that_cannot_be_built_frees_its_pulled_kv(monkeypatch: pyt
     migration = FakeMigration(kv_fails=False)
     with pytest.raises(RequestValidationError):
         await prepare(instance(InstanceType.PD, migration), stage_request(**SOURCES))
-    assert migration.released == ["entry-h1"] and migration.store.freed == [[3, 1]]
+    assert migration.released == ["entry-h1"] and migration.freed == [[3, 1]]
 
 
 async def test_refusals_before_any_pull() -> None:
@@ -83,4 +86,4 @@ async def test_refusals_before_any_pull() -> None:
     draining.draining = True
     with pytest.raises(NotServingError, match="draining"):
         await prepare(draining, stage_request())
-    assert migration.released == [] and migration.store.freed == []
+    assert migration.released == [] and migration.freed == []

@@ -177,6 +177,10 @@ class MigrationService:
             raise
         return block_ids
 
+    def discard_kv(self, block_ids: list[int]) -> None:
+        """Free pulled KV blocks that no request took over (it was refused before the engine)."""
+        self.store.free_kv(block_ids)
+
     async def _pull(self, handle: BlockHandle, region: str, block_ids: list[int], kind: str) -> None:
         started = time.monotonic()
         try:
