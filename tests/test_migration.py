@@ -13,7 +13,8 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from triptych.worker.transfer import LeaseTable, TransferEngine, pump_once, run_lease_pump
+from triptych.worker.migration import LeaseTable, pump_once, run_lease_pump
+from triptych.worker.transfer import TransferEngine
 from triptych.worker.transfer.loopback import RegionSpec, SourcePeer, pattern
 
 MM = RegionSpec((8, 4, 16), "float32", seed=3)

@@ -1,7 +1,7 @@
 """The worker's per-stage latency breakdown (queue / exec per stage) from request timings."""
 
 from triptych.topology import Stage
-from triptych.worker.server import stage_breakdown
+from triptych.worker.metrics import stage_breakdown
 
 
 def test_aggregated_request() -> None:

@@ -22,8 +22,8 @@ from triptych.bench.errors import BenchError
 def _measure(nbytes: int, iters: int, require: Literal["nixl", "any"]) -> tuple[float, str]:
     import torch
 
+    from triptych.worker.transfer import TransferEngine
     from triptych.worker.transfer.loopback import RegionSpec, SourcePeer, pattern
-    from triptych.worker.transfer.nixl import TransferEngine
 
     if nbytes <= 0 or iters <= 0:
         raise ValueError(f"nbytes and iters must be > 0, got {nbytes}, {iters}")

@@ -1,6 +1,9 @@
-"""Moving KV-cache and embedding blocks between instances (NIXL; pull-based migration)."""
+"""Moving cache blocks between instances: the transfer engine over a transport backend
+(NIXL, or the explicit TCP fallback). The migration protocol on top (leases, pulls,
+offers) is `triptych.worker.migration`."""
 
 from triptych.worker.transfer.base import (
+    Backend,
     BlockHandle,
     IncompatibleHandleError,
     PeerUnreachableError,
@@ -8,18 +11,17 @@ from triptych.worker.transfer.base import (
     TransferTimeoutError,
     TransportUnavailableError,
 )
-from triptych.worker.transfer.migration import LeaseTable, pump_once, run_lease_pump
-from triptych.worker.transfer.nixl import TransferEngine
+from triptych.worker.transfer.engine import TransferEngine
+from triptych.worker.transfer.transport import open_backend
 
 __all__ = [
+    "Backend",
     "BlockHandle",
     "IncompatibleHandleError",
-    "LeaseTable",
     "PeerUnreachableError",
     "TransferEngine",
     "TransferError",
     "TransferTimeoutError",
     "TransportUnavailableError",
-    "pump_once",
-    "run_lease_pump",
+    "open_backend",
 ]

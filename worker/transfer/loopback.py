@@ -116,8 +116,8 @@ def _peer_main(conn: Connection, regions: dict[str, RegionSpec], name: str, requ
 async def _serve(conn: Connection, regions: dict[str, RegionSpec], name: str, require: str, plugin: str) -> None:
     from prometheus_client import REGISTRY
 
-    from triptych.worker.transfer.migration import LeaseTable, run_lease_pump
-    from triptych.worker.transfer.nixl import TransferEngine
+    from triptych.worker.migration.leases import LeaseTable, run_lease_pump
+    from triptych.worker.transfer.engine import TransferEngine
 
     try:
         engine = TransferEngine(name, require=require, nixl_plugin=plugin)  # type: ignore[arg-type]

@@ -1,4 +1,5 @@
-"""Source-side leases for pull-based migration (HydraInfer §4.3).
+"""Source-side leases of pull-based migration (HydraInfer §4.3), and the pump that
+releases them.
 
 The source keeps a request's blocks while a target pulls them: `offer` records a lease
 (region, block ids, how to free them, a TTL) and its id goes into the `BlockHandle`
@@ -21,11 +22,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import Counter
 
 from triptych.worker.transfer.base import registry_metric
-from triptych.worker.transfer.nixl import TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Lease:
     block_ids: tuple[int, ...]
     on_release: Callable[[], None]
     expires_at: float
+    owner: str = ""  # the request whose blocks these are (for cancel_owner)
 
 
 class LeaseTable:
@@ -53,14 +55,19 @@ class LeaseTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
+        self._listeners: list[Callable[[], None]] = []
 
-    def offer(self, region: str, block_ids: list[int], on_release: Callable[[], None], ttl_s: float) -> str:
+    def offer(self, region: str, block_ids: list[int], on_release: Callable[[], None], ttl_s: float,
+              owner: str = "") -> str:
         """Hold `block_ids` of `region` for a target; returns the lease id for the handle."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        lease = Lease(uuid.uuid4().hex, region, tuple(block_ids), on_release, self._clock() + ttl_s)
+        lease = Lease(uuid.uuid4().hex, region, tuple(block_ids), on_release, self._clock() + ttl_s, owner)
         with self._lock:
             self._leases[lease.lease_id] = lease
+            listeners = list(self._listeners)
+        for wake in listeners:
+            wake()
         return lease.lease_id
 
     def confirm(self, lease_id: str) -> bool:
@@ -70,6 +77,12 @@ class LeaseTable:
     def cancel(self, lease_id: str) -> bool:
         """The request was aborted: free the blocks now; a later confirmation is ignored."""
         return self._release(lease_id, "cancelled")
+
+    def cancel_owner(self, owner: str) -> int:
+        """Cancel every lease of one request; returns how many were still outstanding."""
+        with self._lock:
+            ids = [lid for lid, lease in self._leases.items() if lease.owner == owner]
+        return sum(self.cancel(lid) for lid in ids)
 
     def expire(self, now: float | None = None) -> list[str]:
         """Free every lease whose TTL has passed; returns their ids."""
@@ -81,6 +94,16 @@ class LeaseTable:
     def outstanding(self) -> int:
         with self._lock:
             return len(self._leases)
+
+    def subscribe(self, on_offer: Callable[[], None]) -> Callable[[], None]:
+        """Call `on_offer` after every offer (on the offering thread); returns the unsubscriber."""
+        with self._lock:
+            self._listeners.append(on_offer)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._listeners.remove(on_offer)
+        return unsubscribe
 
     def _release(self, lease_id: str, how: str) -> bool:
         with self._lock:
@@ -101,25 +124,59 @@ class LeaseTable:
         return True
 
 
-def pump_once(engine: TransferEngine, table: LeaseTable) -> int:
+class Notifications(Protocol):
+    """Where lease confirmations arrive (`TransferEngine` satisfies it)."""
+
+    def poll_notifications(self) -> list[str]: ...
+
+
+def pump_once(transfer: Notifications, table: LeaseTable) -> int:
     """Confirm the leases targets reported, then expire overdue ones; returns releases."""
-    released = sum(table.confirm(lid) for lid in engine.poll_notifications())
+    released = sum(table.confirm(lid) for lid in transfer.poll_notifications())
     return released + len(table.expire())
 
 
-async def run_lease_pump(engine: TransferEngine, table: LeaseTable, interval_s: float = 0.005,
-                         idle_interval_s: float = 0.1) -> None:
-    """Run `pump_once` until cancelled (start with asyncio.create_task): every `interval_s`
-    while leases are outstanding, every `idle_interval_s` otherwise.
+async def run_lease_pump(transfer: Notifications, table: LeaseTable, interval_s: float = 0.005,
+                         max_interval_s: float = 0.02) -> None:
+    """Release leases until cancelled (start with asyncio.create_task).
 
-    Polling is a non-blocking call into the agent, cheap enough for the event loop; a
-    short interval keeps the source's blocks held no longer than needed, and the idle
-    interval keeps an instance with nothing handed out from burning a core."""
-    if interval_s <= 0 or idle_interval_s <= 0:
-        raise ValueError(f"intervals must be > 0, got {interval_s}, {idle_interval_s}")
-    while True:
+    While no lease is outstanding the pump sleeps on an event that `offer` sets: an idle
+    instance does no work at all. Late confirmations of leases already gone wait in the
+    transport's queue and are drained (and ignored) on the next poll. While leases are
+    outstanding, confirmations must be polled (the transports have no wake-up); the
+    interval starts at `interval_s` after each offer or release, so a hand-off's blocks
+    are held no longer than needed, and doubles up to `max_interval_s` while nothing
+    happens, which bounds the cost of a lease waiting on a slow target or its TTL."""
+    if not 0 < interval_s <= max_interval_s:
+        raise ValueError(f"need 0 < interval_s <= max_interval_s, got {interval_s}, {max_interval_s}")
+    loop = asyncio.get_running_loop()
+    offered = asyncio.Event()
+
+    def wake() -> None:  # any thread may offer
         try:
-            pump_once(engine, table)
-        except Exception:
-            logger.exception("lease pump iteration failed")
-        await asyncio.sleep(interval_s if table.outstanding() else idle_interval_s)
+            loop.call_soon_threadsafe(offered.set)
+        except RuntimeError:  # the loop is closed: the pump is gone with it
+            pass
+
+    unsubscribe = table.subscribe(wake)
+    delay = interval_s
+    try:
+        while True:
+            if not table.outstanding():
+                offered.clear()
+                if not table.outstanding():  # an offer between the check and clear() set it again
+                    await offered.wait()
+                delay = interval_s
+            try:
+                released = pump_once(transfer, table)
+            except Exception:
+                logger.exception("lease pump iteration failed")
+                released = 0
+            if released or offered.is_set():
+                offered.clear()
+                delay = interval_s
+            else:
+                delay = min(delay * 2, max_interval_s)
+            await asyncio.sleep(delay)
+    finally:
+        unsubscribe()

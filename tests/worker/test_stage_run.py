@@ -1,0 +1,89 @@
+"""A stage run's preparation: refusals are typed (and their statuses come from one table),
+and a failure after some pulls gives back everything pulled so far."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from triptych.stage_protocol import KVSource, MMSource, StageRequest
+from triptych.topology import InstanceType
+from triptych.worker import stage_run
+from triptych.worker.engine.request import RequestValidationError
+from triptych.worker.errors import BadPayloadError, NotServingError, http_status
+from triptych.worker.instance import InstanceRuntime
+from triptych.worker.migration import PullFailedError
+from triptych.worker.settings import WorkerSettings
+from triptych.worker.stage_run import prepare
+
+
+class FakeMigration:
+    def __init__(self, kv_fails: bool) -> None:
+        self.kv_fails = kv_fails
+        self.released: list[Any] = []
+        self.freed: list[list[int]] = []
+
+    async def pull_embeddings(self, sources: list[MMSource]) -> list[Any]:
+        return [f"entry-{s.content_hash}" for s in sources]
+
+    async def pull_kv(self, src: KVSource) -> list[int]:
+        if self.kv_fails:
+            raise PullFailedError("pulling pd blocks failed: peer gone")
+        return [3, 1]
+
+    def release_embeddings(self, entries: list[Any]) -> None:
+        self.released.extend(entries)
+
+    def discard_kv(self, block_ids: list[int]) -> None:
+        self.freed.append(block_ids)
+
+
+def instance(role: InstanceType, migration: FakeMigration) -> InstanceRuntime:
+    inst = InstanceRuntime(WorkerSettings(model="unused", instance_id="w1"))
+    inst.engine = SimpleNamespace(role=role)  # type: ignore[assignment]
+    inst.migration = migration  # type: ignore[assignment]
+    return inst
+
+
+def stage_request(**kw: Any) -> StageRequest:
+    return StageRequest.model_validate({"request_id": "r1", "stages": ["decode"], "prompt_token_ids": [1, 2],
+                                        **kw})
+
+
+SOURCES = {"mm_sources": [{"content_hash": "h1", "num_tokens": 4, "handle": {}}],
+           "kv_source": {"handle": {}, "num_tokens": 2, "first_token": 7}}
+
+
+async def test_failed_kv_pull_releases_the_pulled_embeddings() -> None:
+    migration = FakeMigration(kv_fails=True)
+    with pytest.raises(PullFailedError) as err:
+        await prepare(instance(InstanceType.PD, migration), stage_request(**SOURCES))
+    assert http_status(err.value) == 502
+    assert migration.released == ["entry-h1"] and migration.freed == []
+
+
+async def test_request_that_cannot_be_built_frees_its_pulled_kv(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_a: Any, **_kw: Any) -> None:
+        raise RequestValidationError("refused")
+
+    monkeypatch.setattr(stage_run, "Request", refuse)
+    migration = FakeMigration(kv_fails=False)
+    with pytest.raises(RequestValidationError):
+        await prepare(instance(InstanceType.PD, migration), stage_request(**SOURCES))
+    assert migration.released == ["entry-h1"] and migration.freed == [[3, 1]]
+
+
+async def test_refusals_before_any_pull() -> None:
+    migration = FakeMigration(kv_fails=False)
+    with pytest.raises(NotServingError, match="does not run stage"):
+        await prepare(instance(InstanceType.E, migration), stage_request(**SOURCES))
+    with pytest.raises(BadPayloadError) as err:
+        await prepare(instance(InstanceType.PD, migration), stage_request(images={"h": "not base64!"}))
+    assert http_status(err.value) == 400
+    draining = instance(InstanceType.PD, migration)
+    draining.draining = True
+    with pytest.raises(NotServingError, match="draining"):
+        await prepare(draining, stage_request())
+    assert migration.released == [] and migration.freed == []

@@ -1,0 +1,203 @@
+"""One instance's side of pull-based migration (HydraInfer §4.3), for both hand-offs:
+E->P embeddings into MM blocks and P->D KV blocks.
+
+Source: `offer_embeddings` / `offer_kv` put a parked request's blocks under leases and
+return what the next stage needs (handles, opaque to the router); when every lease of
+the request is confirmed, expired or cancelled, the store releases the request (its
+blocks are freed). Target: `pull_embeddings` / `pull_kv` reserve local blocks, READ the
+source's blocks into them and confirm the leases; on any failure the reserved blocks are
+freed. The service moves blocks through a `BlockTransfer` (the transfer engine over NIXL
+or the TCP fallback) into and out of a `BlockStore` (the engine's public block API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from prometheus_client import Histogram
+from pydantic import ValidationError
+
+from triptych.stage_protocol import EncodedItem, KVSource, MMSource
+from triptych.worker.engine.kv_cache import OutOfBlocksError
+from triptych.worker.migration.errors import BadHandleError, NoFreeBlocksError, PullFailedError
+from triptych.worker.migration.leases import LeaseTable, run_lease_pump
+from triptych.worker.transfer.base import BlockHandle, IncompatibleHandleError, TransferError, registry_metric
+
+log = logging.getLogger(__name__)
+
+MIGRATION_SECONDS: Histogram = registry_metric(
+    Histogram, "triptych_worker_migration_seconds",
+    "Time to pull a request's blocks from the previous stage's instance (EP: embeddings, PD: KV)",
+    ["kind", "transport"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+
+
+class MMBlocks(Protocol):
+    """An embedding's entry in the MM cache (the engine's `MMEntry`)."""
+
+    block_ids: list[int]
+
+
+class BlockStore(Protocol):
+    """The engine's block API, as migration uses it (`Engine` satisfies it)."""
+
+    def reserve_kv(self, num_tokens: int) -> list[int]: ...
+    def free_kv(self, block_ids: list[int]) -> None: ...
+    def acquire_mm(self, content_hash: str) -> MMBlocks | None: ...
+    def reserve_mm(self, content_hash: str, num_rows: int) -> MMBlocks: ...
+    # Any: the engine's methods take its own entry type (a narrower parameter than MMBlocks).
+    def commit_mm(self, entry: Any) -> None: ...
+    def release_mm(self, entry: Any) -> None: ...
+    def release(self, request_id: str) -> None: ...
+
+
+class BlockTransfer(Protocol):
+    """Moving blocks of registered regions between instances (`TransferEngine`)."""
+
+    transport: str
+
+    def handle(self, region: str, block_ids: list[int], lease_id: str) -> BlockHandle: ...
+    def pull(self, handle: BlockHandle | dict[str, Any], local_region: str, local_block_ids: list[int], *,
+             timeout_s: float, notify: bool = True) -> int: ...
+    def poll_notifications(self) -> list[str]: ...
+
+
+class MigrationService:
+    """Offer -> pull -> confirm -> free for one instance's role (rebuilt on a switch)."""
+
+    def __init__(self, store: BlockStore, transfer: BlockTransfer, *, lease_seconds: float,
+                 pull_timeout_s: float, bytes_pulled: dict[str, int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        # Keep pull_timeout_s below the sources' lease TTL: a source must not free (and reuse)
+        # blocks while a target is still reading them (the CLI derives one from the other).
+        if pull_timeout_s <= 0 or lease_seconds <= 0:
+            raise ValueError(f"need pull_timeout_s, lease_seconds > 0, got {pull_timeout_s}, {lease_seconds}")
+        self.store, self.transfer = store, transfer
+        self.lease_seconds, self.pull_timeout_s = lease_seconds, pull_timeout_s
+        self.leases = LeaseTable(clock)
+        self.bytes_pulled = {} if bytes_pulled is None else bytes_pulled  # transport -> bytes
+        self._pump: asyncio.Task[None] | None = None
+
+    @property
+    def transport(self) -> str:
+        return self.transfer.transport
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the lease pump on the running event loop."""
+        if self._pump is None:
+            self._pump = asyncio.create_task(run_lease_pump(self.transfer, self.leases))
+
+    def stop(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
+            self._pump = None
+
+    def free_all(self) -> int:
+        """Release every outstanding lease now (a drain that timed out); returns how many."""
+        return len(self.leases.expire(now=float("inf")))
+
+    # -- source side ---------------------------------------------------------------------
+    def offer_embeddings(self, request_id: str, mm: list[tuple[str, list[int], int]]) -> list[EncodedItem]:
+        """Offer each (content_hash, block_ids, rows) of an encoded request; one lease each."""
+        leases = self._offer(request_id, "mm", [ids for _, ids, _ in mm])
+        return [EncodedItem(content_hash=h, num_tokens=rows,
+                            handle=self.transfer.handle("mm", ids, lease).model_dump(mode="json"))
+                for (h, ids, rows), lease in zip(mm, leases, strict=True)]
+
+    def offer_kv(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> KVSource:
+        """Offer a prefilled request's KV blocks (and the token it sampled) under one lease."""
+        (lease,) = self._offer(request_id, "kv", [block_ids])
+        handle = self.transfer.handle("kv", block_ids, lease).model_dump(mode="json")
+        return KVSource(handle=handle, num_tokens=num_tokens, first_token=first_token)
+
+    def cancel(self, request_id: str) -> int:
+        """The request was aborted: release its leases now (late pulls find nothing held)."""
+        return self.leases.cancel_owner(request_id)
+
+    def _offer(self, request_id: str, region: str, groups: list[list[int]]) -> list[str]:
+        """One lease per group; the store releases the request when all are done."""
+        remaining, lock = [len(groups)], threading.Lock()
+
+        def release_one() -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                self.store.release(request_id)
+
+        return [self.leases.offer(region, ids, release_one, self.lease_seconds, owner=request_id)
+                for ids in groups]
+
+    # -- target side ---------------------------------------------------------------------
+    async def pull_embeddings(self, sources: list[MMSource]) -> list[Any]:
+        """Pull each embedding into the MM cache, skipping (but confirming) ones already
+        held. Returns the MM entries to `release_embeddings` once the request holds its own
+        references; on failure every entry taken so far is released."""
+        taken: list[Any] = []
+        try:
+            for src in sources:
+                handle = _parse(src.handle)
+                held = self.store.acquire_mm(src.content_hash)
+                if held is not None:
+                    taken.append(held)
+                    await self._pull(handle.model_copy(update={"block_ids": []}), "mm", [], "ep")  # confirm only
+                    continue
+                try:
+                    entry = self.store.reserve_mm(src.content_hash, src.num_tokens)
+                except OutOfBlocksError as exc:
+                    raise NoFreeBlocksError(f"no room for embedding {src.content_hash[:16]}: {exc}") from exc
+                taken.append(entry)
+                await self._pull(handle, "mm", entry.block_ids, "ep")
+                self.store.commit_mm(entry)
+        except BaseException:
+            self.release_embeddings(taken)
+            raise
+        return taken
+
+    def release_embeddings(self, entries: list[Any]) -> None:
+        for entry in entries:
+            self.store.release_mm(entry)
+
+    async def pull_kv(self, src: KVSource) -> list[int]:
+        """Reserve KV blocks for a prefilled request and pull them; returns the block ids
+        (the request owns them from here). Freed again if the pull fails."""
+        handle = _parse(src.handle)
+        try:
+            block_ids = self.store.reserve_kv(src.num_tokens)
+        except OutOfBlocksError as exc:
+            raise NoFreeBlocksError(f"no room for {src.num_tokens} tokens of prefilled KV: {exc}") from exc
+        try:
+            await self._pull(handle, "kv", block_ids, "pd")
+        except BaseException:
+            self.store.free_kv(block_ids)
+            raise
+        return block_ids
+
+    def discard_kv(self, block_ids: list[int]) -> None:
+        """Free pulled KV blocks that no request took over (it was refused before the engine)."""
+        self.store.free_kv(block_ids)
+
+    async def _pull(self, handle: BlockHandle, region: str, block_ids: list[int], kind: str) -> None:
+        started = time.monotonic()
+        try:
+            nbytes = await asyncio.to_thread(self.transfer.pull, handle, region, block_ids,
+                                             timeout_s=self.pull_timeout_s)
+        except IncompatibleHandleError as exc:
+            raise BadHandleError(f"{kind} handle does not fit this instance: {exc}") from exc
+        except TransferError as exc:
+            raise PullFailedError(f"pulling {kind} blocks failed: {exc}") from exc
+        MIGRATION_SECONDS.labels(kind=kind, transport=self.transport).observe(time.monotonic() - started)
+        self.bytes_pulled[self.transport] = self.bytes_pulled.get(self.transport, 0) + nbytes
+
+
+def _parse(raw: dict[str, Any]) -> BlockHandle:
+    try:
+        return BlockHandle.model_validate(raw)
+    except ValidationError as exc:
+        raise BadHandleError(f"malformed block handle: {exc.error_count()} error(s): {exc.errors()[0]['msg']}") \
+            from exc

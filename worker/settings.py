@@ -1,0 +1,52 @@
+"""What one worker process is configured with: its CLI flags, and the operator's serving
+config file (TRIPTYCH_CONFIG) that can set engine limits and budgets."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from triptych.topology import UNASSIGNED
+
+
+class WorkerSettings(BaseModel):
+    model: str
+    role: str = UNASSIGNED
+    instance_id: str = "worker"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    num_mm_blocks: int | None = None
+    transfer_require: Literal["any", "nixl"] = "any"
+    lease_seconds: float = 30.0
+    pull_timeout_s: float = 20.0  # below lease_seconds: the source must not free mid-READ
+    drain_timeout_s: float = 60.0
+    max_model_len: int | None = None
+    token_budget: int | None = None
+    image_budget: int | None = None
+    ttft_slo_s: float | None = None  # budgets from the SLO by start-up profiling (profiler.py)
+    tbt_slo_s: float | None = None
+
+
+def settings_from_serving_config(path: str) -> dict[str, Any]:
+    """Engine settings from the operator's serving config (the ConfigMap file named by
+    TRIPTYCH_CONFIG): context length, block size, and fixed budgets or SLO-derived ones."""
+    import yaml
+
+    with open(path) as f:
+        config = yaml.safe_load(f) or {}
+    model, slo, sched = config.get("model", {}), config.get("slo", {}), config.get("scheduling", {})
+    out: dict[str, Any] = {}
+    if model.get("maxModelLen"):
+        out["max_model_len"] = int(model["maxModelLen"])
+    if model.get("dtype"):
+        out["dtype"] = str(model["dtype"])
+    if sched.get("blockSize"):
+        out["block_size"] = int(sched["blockSize"])
+    if sched.get("budgets") == "Fixed":
+        out.update(token_budget=sched.get("tokenBudget"), image_budget=sched.get("imageBudget"))
+    elif slo:
+        out.update(ttft_slo_s=slo.get("ttftMs", 2000) / 1000, tbt_slo_s=slo.get("tbtMs", 200) / 1000)
+    return out

@@ -1,0 +1,112 @@
+"""One run of a request's stages on this instance (triptych/stage_protocol.py).
+
+Before the engine sees the request, `prepare` pulls what earlier stages left elsewhere
+(HydraInfer §4.3, steps 2-4, through the migration service): image embeddings into this
+instance's MM cache, or a prefilled KV cache into its KV cache. `stream` then turns the
+engine's outputs into NDJSON events; when this instance's last stage ends before decode
+completes, the request is parked and its blocks are offered to the next instance.
+Failures are typed; `errors.http_status` decides their status.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from triptych.stage_protocol import (
+    EncodedEvent,
+    ErrorEvent,
+    FinishedEvent,
+    PrefilledEvent,
+    StageRequest,
+    TokensEvent,
+)
+from triptych.topology import Stage
+from triptych.worker.engine.request import PrefilledKV, Request, RequestOutput, RequestValidationError
+from triptych.worker.errors import BadPayloadError, NotServingError, engine_failure_status, http_status
+from triptych.worker.instance import InstanceRuntime
+from triptych.worker.metrics import observe_stages
+from triptych.worker.migration import MigrationService
+
+
+async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, list[Any]]:
+    """Check the instance runs the request's stages, decode its images and pull its
+    embeddings / KV. Returns the request and the MM entries to release once the engine
+    holds its own references. Raises the typed errors of worker/errors.py."""
+    engine, migration = inst.engine, inst.migration
+    if engine is None or migration is None or inst.draining:
+        raise NotServingError(f"instance {inst.settings.instance_id} is {inst.status}; not accepting work")
+    missing = [s.value for s in sreq.stages if not engine.role.runs(s)]
+    if missing:
+        raise NotServingError(f"instance role {engine.role.value} does not run stage(s) {', '.join(missing)}")
+    try:
+        images = {h: base64.b64decode(data, validate=True) for h, data in sreq.images.items()}
+    except ValueError as exc:
+        raise BadPayloadError(f"image payload is not base64: {exc}") from exc
+    reserved = await migration.pull_embeddings(sreq.mm_sources) if sreq.mm_sources else []
+    prefilled = None
+    try:
+        if sreq.kv_source is not None:
+            src = sreq.kv_source
+            block_ids = await migration.pull_kv(src)
+            prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token)
+        req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
+                      images=images, stages=frozenset(sreq.stages), prefilled=prefilled)
+    except BaseException:
+        migration.release_embeddings(reserved)
+        if prefilled is not None:
+            migration.discard_kv(prefilled.block_ids)
+        raise
+    return req, reserved
+
+
+def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int) -> list[BaseModel]:
+    if out.error:  # bad input was refused at add_request (400); what fails later is ours
+        return [ErrorEvent(status=engine_failure_status(out), message=out.error)]
+    handoff = out.handoff
+    if handoff is not None and handoff.stage == Stage.ENCODE:
+        return [EncodedEvent(items=migration.offer_embeddings(sreq.request_id, handoff.mm))]
+    if handoff is not None and handoff.stage == Stage.PREFILL:
+        assert handoff.first_token is not None
+        kv = migration.offer_kv(sreq.request_id, handoff.kv_block_ids, handoff.num_kv_tokens, handoff.first_token)
+        return [PrefilledEvent(kv=kv)]
+    events: list[BaseModel] = []
+    tokens = out.new_token_ids[skip:]
+    if tokens:
+        events.append(TokensEvent(token_ids=tokens))
+    if out.finished:
+        reason = out.finish_reason.value if out.finish_reason else "abort"
+        events.append(FinishedEvent(finish_reason=reason, timings=out.timings or {}))
+    return events
+
+
+def _line(event: BaseModel) -> bytes:
+    return (event.model_dump_json() + "\n").encode()
+
+
+async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserved: list[Any]) -> AsyncIterator[bytes]:
+    """The engine's outputs for `req` as NDJSON event lines; failures end it with an error event."""
+    engine, migration = inst.engine, inst.migration
+    assert engine is not None and migration is not None
+    skip = 1 if req.prefilled is not None else 0  # token 1 was sampled (and streamed) by P
+    inst.inflight += 1
+    try:
+        async for out in engine.generate(req, timeout_s=sreq.timeout_s):
+            if reserved:  # the request now holds its own references to pulled embeddings
+                migration.release_embeddings(reserved)
+                reserved = []
+            for event in _events_for(migration, sreq, out, skip):
+                yield _line(event)
+            skip = max(0, skip - len(out.new_token_ids))
+            if out.finished and out.timings:
+                observe_stages(engine.role.value, set(sreq.stages), out.timings)
+    except RequestValidationError as exc:
+        yield _line(ErrorEvent(status=http_status(exc), message=str(exc)))
+    except TimeoutError as exc:
+        yield _line(ErrorEvent(status=http_status(exc), message=f"request exceeded {sreq.timeout_s}s"))
+    finally:
+        migration.release_embeddings(reserved)
+        inst.inflight -= 1
