@@ -164,11 +164,12 @@ class Orchestrator:
                 excluded.add(failure.instance.url)
                 last_error = str(failure)
                 if started:
-                    raise BackendError(failure.status, f"request failed after streaming began: {failure}") \
-                        from failure
+                    log.warning("request %s failed after streaming began: %s", req.request_id, failure)
+                    raise BackendError(failure.status, _public_failure(failure.status)) from failure
                 self._decide(failure.stage or Stage.PREFILL, "retried")
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, failure)
-        raise BackendError(503, f"request failed on every attempt: {last_error}",
+        log.warning("request %s failed on every attempt; last: %s", base_id, last_error)
+        raise BackendError(503, f"request failed on every attempt ({self.config.max_attempts}); try again later",
                            retry_after=self.config.retry_after_s)
 
     def _plan(self, req: GenerationRequest, excluded: set[str]) -> Plan:
@@ -249,3 +250,10 @@ class Orchestrator:
                     return [MMSource(content_hash=e.content_hash, num_tokens=e.num_tokens, handle=e.handle)
                             for e in event.items]
         raise StageFailure(run.instance, f"{run.instance.url} ended the encode stage without a hand-over")
+
+
+def _public_failure(status: int) -> str:
+    """What a client learns of an instance's failure: the kind, never the worker's URL or its
+    response body (those go to the router's log)."""
+    what = "timed out" if status == 504 else "failed"
+    return f"request failed after streaming began: an instance {what}"
