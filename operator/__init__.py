@@ -1,1 +1,2 @@
-"""The kopf operator: MLLMDeployment -> Kubernetes objects; planner and autoscaler."""
+"""The kopf operator: MLLMDeployment -> Kubernetes objects (desired.py), one reconcile pass
+per event (reconcile.py) and role assignment for worker pods (roles.py)."""

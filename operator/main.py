@@ -1,32 +1,30 @@
 """`triptych operator`: run the kopf operator (all namespaces unless --namespace is given).
 
 Credentials come from the in-cluster service account or, outside a cluster, the current
-kubeconfig context (kopf.login_via_client, through the kubernetes client's loader).
+kubeconfig context (`Login.auto()` in triptych/kube/client.py, the same loader the
+router's discovery uses); kopf and the operator's own API client share that one login.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
-from typing import Any
 
 import kopf
 
+from triptych.kube.client import Login
 from triptych.operator.context import OperatorConfig, OperatorContext
 from triptych.operator.handlers import configure, register
 
 logger = logging.getLogger("triptych.operator")
 
 
-def _login() -> Any:
-    settings = kopf.OperatorSettings()
-    info = kopf.login_via_client(logger=logger, settings=settings)
-    if info is None:
-        raise kopf.LoginError("the kubernetes client package is not installed")
-    return info
+def _login() -> kopf.ConnectionInfo:
+    return kopf.ConnectionInfo(**dataclasses.asdict(Login.auto()))
 
 
 async def run(ctx: OperatorContext, *, namespaces: list[str], standalone: bool,

@@ -82,10 +82,9 @@ def _discovery(args: argparse.Namespace) -> object | None:
         return None
     if not args.k8s_deployment:
         raise SystemExit("--discovery kubernetes needs --k8s-deployment")
-    from triptych.router.k8s_discovery import KubeAccess, KubernetesDiscovery
+    from triptych.router.k8s_discovery import KubernetesDiscovery
 
-    return KubernetesDiscovery(args.k8s_namespace or _own_namespace(), args.k8s_deployment,
-                               access=KubeAccess.auto())
+    return KubernetesDiscovery(args.k8s_namespace or _own_namespace(), args.k8s_deployment)
 
 
 def _own_namespace() -> str:

@@ -33,7 +33,7 @@ import aiohttp.web
 import kmock
 import kopf
 
-from triptych.operator import names
+from triptych.kube import names
 from triptych.operator.context import OperatorConfig, OperatorContext
 from triptych.operator.main import run
 

@@ -15,7 +15,7 @@ import yaml
 from kube_harness import NS, Env, rbac_grants, rbac_needs, wait_for
 from test_op_integration import settle, spec
 
-from triptych.operator import names
+from triptych.kube import names
 
 pytestmark = pytest.mark.timeout(120)
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -12,9 +12,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from triptych.operator import names
+from triptych.kube import names
 from triptych.operator.api import parse_spec
-from triptych.operator.reconcile import ClusterFacts, Desired, Owner, reconcile, spec_hash
+from triptych.operator.desired import ClusterFacts, Desired, Owner, desired_objects, spec_hash
 from triptych.topology import InstanceType
 
 OWNER = Owner(name="demo", namespace="serving", uid="6d0c0a7e-0000-4000-8000-000000000001")
@@ -44,7 +44,7 @@ SERVICE_MONITOR_SCHEMA = {
 
 
 def render(spec: dict[str, Any], facts: ClusterFacts = FACTS) -> Desired:
-    return reconcile(OWNER, parse_spec(spec, name=OWNER.name), facts)
+    return desired_objects(OWNER, parse_spec(spec, name=OWNER.name), facts)
 
 
 def tiny(topology: dict[str, int], **extra: Any) -> dict[str, Any]:
@@ -58,7 +58,7 @@ GPU_POOL = {"name": "gpu", "resources": {"requests": {"cpu": "8", "memory": "64G
             "shmSize": "16Gi",
             "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
                 "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                                   "labelSelector": {"matchLabels": {"triptych.dev/pool": "gpu"}}}}]}}}
+                                                   "labelSelector": {"matchLabels": {names.LABEL_POOL: "gpu"}}}}]}}}
 
 LAYOUTS = {
     "default-pool-1E1P1D": (tiny({"E": 1, "P": 1, "D": 1}), {"workers": {"E": 1, "P": 1, "D": 1}}),
