@@ -27,7 +27,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from triptych import __version__
 from triptych.processor import ImageInput, ImageTooLargeError, MultimodalProcessor, ProcessorError
 from triptych.router.backend import Backend, GenerationRequest
 from triptych.router.config import RouterConfig, read_placeholder_ids
@@ -58,6 +57,7 @@ from triptych.router.streaming import (
     sse_body,
 )
 from triptych.sampling_params import SamplingParams
+from triptych.version import __version__
 
 log = logging.getLogger("triptych.router.api")
 
