@@ -337,7 +337,12 @@ def _worker_deployment(owner: Owner, spec: MLLMDeploymentSpec, pool: WorkerPool,
 def router_args(owner: Owner, spec: MLLMDeploymentSpec) -> list[str]:
     args = ["--model", model_dir(spec.model.source), "--host", "0.0.0.0", "--port", str(spec.router.port),
             "--served-model-name", spec.model.served_model_name or owner.name,
-            "--discovery", "kubernetes", "--k8s-namespace", owner.namespace, "--k8s-deployment", owner.name]
+            "--discovery", "kubernetes", "--k8s-namespace", owner.namespace, "--k8s-deployment", owner.name,
+            # The router does not read the serving config: its SLO metrics and context limit come as flags.
+            "--ttft-slo", f"{spec.slo.ttft_ms / 1000:g}", "--tbt-slo", f"{spec.slo.tbt_ms / 1000:g}",
+            "--slo-attainment-target", f"{spec.slo.attainment_target:g}"]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
     if spec.router.api_keys_secret_ref is not None:
         args += ["--api-key-file", f"{names.SECRETS_MOUNT}/api-keys"]
     return args

@@ -148,6 +148,10 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-images-per-request", type=int, default=None)
     p.add_argument("--ttft-slo", type=float, default=None, help="seconds, for the SLO attainment metrics")
     p.add_argument("--tbt-slo", type=float, default=None, help="seconds, for the SLO attainment metrics")
+    p.add_argument("--slo-attainment-target", type=float, default=None,
+                   help="share of requests that should meet the SLO (exported as a metric; default 0.9)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit in tokens (default: the checkpoint's max_position_embeddings)")
     p.set_defaults(func=_lazy("triptych.router.main:cli_main"))
 
 
