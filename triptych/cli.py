@@ -168,7 +168,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _add_operator(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the kopf operator")
     p.add_argument("--namespace", action="append", default=[], help="restrict to namespace(s)")
-    p.add_argument("--standalone", action="store_true", help="no peering")
+    p.add_argument("--standalone", action="store_true", help="no peering: the only replica (the default)")
+    p.add_argument("--peering", default=None, metavar="NAME",
+                   help="kopf peering object NAME: of several replicas only one acts (the oldest)")
+    p.add_argument("--priority", type=int, default=None,
+                   help="peering priority; the highest live one acts (default: older start = higher)")
     p.set_defaults(func=_lazy("triptych.operator.main:cli_main"))
     c = sub.add_parser("crd", help="print (or write) the MLLMDeployment CRD YAML")
     c.add_argument("--out", default=None)

@@ -257,6 +257,14 @@ class KubeClient:
             return None
         return self._check(response, "GET", path)
 
+    async def create(self, kind: Kind, obj: Mapping[str, Any]) -> Obj | None:
+        """Create `obj`; None when it exists already (HTTP 409)."""
+        path = kind.path(obj["metadata"].get("namespace"))
+        response = await self._request("POST", path, params={"fieldManager": self._field_manager}, body=obj)
+        if response.status_code == 409:
+            return None
+        return self._check(response, "POST", path)
+
     async def apply(self, obj: Mapping[str, Any]) -> Obj:
         """Server-side apply: create or update `obj`, owning every field it sets."""
         kind = kind_of(obj)
