@@ -1,7 +1,8 @@
 """Thin kopf handlers: every event becomes a reconcile pass (reconcile.py) over one MLLMDeployment.
 
   create / update(spec) / resume   full pass (children + roles + status)
-  timer                            full pass every `timer_interval` (catches missed events)
+  timer                            full pass every `timer_interval` (catches missed events
+                                   and hand edits of children, see drift.py)
   worker pod events                roles + status pass for the pod's deployment
   delete                           nothing to undo (children carry owner references); the
                                    handler's finalizer is released once it returns

@@ -4,7 +4,8 @@ Order matters:
   1. validate the spec (invalid: status InvalidSpec + Event, nothing else is touched);
   2. plan roles per pool from the live pods (roles.plan_pool);
   3. mark pods to remove with a low deletion cost - before the replica count drops;
-  4. apply changed child objects (server-side apply), prune children no longer desired;
+  4. apply child objects that are missing, changed in the spec (hash) or edited by hand
+     (drift.py), prune children no longer desired;
   5. switch roles: worker admin endpoint first, then the pod's role labels;
   6. write the status if it changed (merge patch on the status subresource).
 Every write is skipped when the object already says what we would write, so a pass over a
@@ -38,6 +39,7 @@ from triptych.kube.client import (
 from triptych.operator.api import InvalidSpecError, parse_spec
 from triptych.operator.context import OperatorContext
 from triptych.operator.desired import Desired, Owner, desired_objects
+from triptych.operator.drift import differences
 from triptych.operator.roles import PoolPlan, RoleChange, WorkerPod, plan_pool, role_labels
 from triptych.operator.status import Observation, compute_status, merge_patch, transition
 from triptych.operator.workers import RoleSwitchError
@@ -192,7 +194,7 @@ async def _apply_children(ctx: OperatorContext, body: Mapping[str, Any], owner: 
     kinds = [k for k in CHILD_KINDS if k is not SERVICE_MONITOR or facts.service_monitor_crd]
     selector = {names.LABEL_DEPLOYMENT: owner.name}
     listed = await asyncio.gather(*(ctx.kube.list(k, owner.namespace, selector) for k in kinds))
-    applied, pruned = [], []
+    applied, corrected, pruned = [], [], []
     for kind, objs in zip(kinds, listed, strict=True):
         want = desired.by_kind(kind.kind)
         have = {o["metadata"]["name"]: o for o in objs}
@@ -200,6 +202,9 @@ async def _apply_children(ctx: OperatorContext, body: Mapping[str, Any], owner: 
             if name not in have or _hash(have[name]) != _hash(obj):
                 await ctx.kube.apply(obj)
                 applied.append(f"{kind.kind} {name}")
+            elif drift := differences(obj, have[name]):  # edited by hand: put it back
+                await ctx.kube.apply(obj)
+                corrected.append(f"{kind.kind} {name} ({', '.join(drift[:3])}{', ...' if len(drift) > 3 else ''})")
         if kind.kind in PRUNABLE:
             for name, obj in have.items():
                 if name not in want and _owned_by(obj, owner.uid):
@@ -207,6 +212,8 @@ async def _apply_children(ctx: OperatorContext, body: Mapping[str, Any], owner: 
                     pruned.append(f"{kind.kind} {name}")
     if applied:
         ctx.emit(body, "Normal", "Applied", ", ".join(applied))
+    if corrected:
+        ctx.emit(body, "Warning", "DriftCorrected", "changed outside the operator, re-applied: " + "; ".join(corrected))
     if pruned:
         ctx.emit(body, "Normal", "Pruned", ", ".join(pruned))
     return {kind.kind: objs for kind, objs in zip(kinds, listed, strict=True)}
