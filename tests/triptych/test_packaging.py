@@ -106,3 +106,12 @@ def test_wheel_install_maps_the_folders_and_shadows_nothing(tmp_path: Path) -> N
     assert got["operator"] == STDLIB_OPERATOR
     assert got["router"] == str(site / "triptych" / "router" / "main.py")
     assert got["version"] == importlib.metadata.version("triptych")
+
+
+def test_the_tests_folder_cannot_shadow_triptych_modules() -> None:
+    """tests/conftest.py puts tests/ on sys.path, so tests/triptych/ joins the `triptych`
+    namespace in the test process (first): a file there named like a module of triptych/
+    would replace that module in every test."""
+    def names(folder: Path) -> set[str]:
+        return {p.stem for p in folder.iterdir() if p.suffix == ".py" or (p.is_dir() and p.name != "__pycache__")}
+    assert names(ROOT / "triptych") & names(ROOT / "tests" / "triptych") == set()
