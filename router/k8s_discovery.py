@@ -89,7 +89,9 @@ class KubernetesDiscovery:
         return sorted(self._confirmed.values(), key=lambda e: e.pod)
 
     async def start(self) -> None:
-        self._kube = self._kube or KubeClient(Login.auto)
+        if self._kube is None:
+            Login.auto()  # no credentials: fail here, not silently inside the watch task
+            self._kube = KubeClient(Login.auto)
         self._tasks = [asyncio.create_task(self._watch_forever(), name="k8s-discovery-watch"),
                        asyncio.create_task(self._confirm_forever(), name="k8s-discovery-health")]
 

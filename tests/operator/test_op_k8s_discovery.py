@@ -91,3 +91,14 @@ async def test_discovery_follows_its_own_confirmed_workers() -> None:
         selectors = {r.params.get("labelSelector") for r in api if r.headers.get("User-Agent") != TEST_AGENT
                      and r.resource is not None and r.resource.plural == "pods"}
         assert selectors == {"app.kubernetes.io/component=worker,triptych.dev/deployment=demo"}
+
+
+async def test_discovery_without_credentials_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_login() -> Login:
+        raise RuntimeError("no service account and no kubeconfig")
+
+    monkeypatch.setattr(Login, "auto", staticmethod(no_login))
+    discovery = KubernetesDiscovery(NS, "demo")
+    with pytest.raises(RuntimeError, match="no service account"):
+        await discovery.start()
+    assert discovery.current() == []
