@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from triptych.operator import names
+from triptych.kube import names
 from triptych.topology import InstanceType, TopologyError, format_topology, validate_coverage
 
 Family = Literal["qwen2-vl", "qwen2.5-vl", "llava"]

@@ -14,8 +14,8 @@ from typing import Any
 
 import kopf
 
-from triptych.operator.apply import SERVICE_MONITOR, Credentials, KubeClient
-from triptych.operator.reconcile import ClusterFacts
+from triptych.kube.client import SERVICE_MONITOR, Credentials, KubeClient
+from triptych.operator.desired import ClusterFacts
 from triptych.operator.workers import WorkerAdmin
 
 EventFn = Callable[[Mapping[str, Any], str, str, str], None]

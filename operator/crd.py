@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from triptych.operator import names
+from triptych.kube import names
 from triptych.operator.api import MLLMDeploymentSpec, MLLMDeploymentStatus
 
 Schema = dict[str, Any]

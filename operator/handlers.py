@@ -1,7 +1,8 @@
-"""Thin kopf handlers: every event becomes a `sync` pass (sync.py) over one MLLMDeployment.
+"""Thin kopf handlers: every event becomes a reconcile pass (reconcile.py) over one MLLMDeployment.
 
   create / update(spec) / resume   full pass (children + roles + status)
-  timer                            full pass every `timer_interval` (catches missed events)
+  timer                            full pass every `timer_interval` (catches missed events
+                                   and hand edits of children, see drift.py)
   worker pod events                roles + status pass for the pod's deployment
   delete                           nothing to undo (children carry owner references); the
                                    handler's finalizer is released once it returns
@@ -17,10 +18,10 @@ from typing import Any
 import httpx
 import kopf
 
-from triptych.operator import names
-from triptych.operator.apply import KubeApiError
+from triptych.kube import names
+from triptych.kube.client import KubeApiError
 from triptych.operator.context import OperatorContext
-from triptych.operator.sync import sync
+from triptych.operator.reconcile import reconcile
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
 
@@ -41,7 +42,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
 
 async def _full_pass(ctx: OperatorContext, body: Any) -> None:
     try:
-        await sync(ctx, body["metadata"]["namespace"], body["metadata"]["name"], apply_children=True)
+        await reconcile(ctx, body["metadata"]["namespace"], body["metadata"]["name"], apply_children=True)
     except (KubeApiError, httpx.HTTPError) as e:
         raise kopf.TemporaryError(f"reconcile failed, retrying: {e}", delay=ctx.config.retry_delay) from e
 
@@ -77,6 +78,6 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
     async def worker_pod_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         meta = body["metadata"]
         try:
-            await sync(ctx, meta["namespace"], meta["labels"][names.LABEL_DEPLOYMENT], apply_children=False)
+            await reconcile(ctx, meta["namespace"], meta["labels"][names.LABEL_DEPLOYMENT], apply_children=False)
         except (KubeApiError, httpx.HTTPError) as e:  # the timer retries; a pod event is not replayed
             logger.warning(f"role pass after pod event failed: {e}")

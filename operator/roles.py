@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from triptych.operator import names
+from triptych.kube import names
 from triptych.topology import InstanceType
 
 # Canonical order for deterministic plans (the order `format_topology` prints).

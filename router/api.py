@@ -25,7 +25,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import ValidationError
 
-from triptych import __version__
 from triptych.processor import MultimodalProcessor
 from triptych.router import tokenize
 from triptych.router.backend import Backend, GenerationRequest
@@ -55,6 +54,7 @@ from triptych.router.streaming import (
     sse_body,
 )
 from triptych.sampling_params import SamplingParams
+from triptych.version import __version__
 
 log = logging.getLogger("triptych.router.api")
 

@@ -57,6 +57,7 @@ class RouterConfig(BaseModel):
     # SLO (HydraInfer §2.3) for the attainment metrics.
     ttft_slo_s: float = Field(default=2.0, gt=0)
     tbt_slo_s: float = Field(default=0.2, gt=0)
+    slo_attainment_target: float = Field(default=0.9, gt=0, le=1)  # goodput's bar (HydraInfer §2.3)
     slo_window: int = Field(default=1000, ge=1)  # requests in the attainment gauge's window
 
     health_timeout_s: float = Field(default=5.0, gt=0)
@@ -98,6 +99,10 @@ class RouterConfig(BaseModel):
             "allow_private_image_hosts": bool(getattr(args, "allow_private_image_hosts", False)),
             "admin_token_file": getattr(args, "admin_token_file", None),
         }
+        optional = {"max_images_per_request": "max_images_per_request", "ttft_slo_s": "ttft_slo",
+                    "tbt_slo_s": "tbt_slo", "slo_attainment_target": "slo_attainment_target",
+                    "max_model_len": "max_model_len"}
+        fields.update({k: v for k, arg in optional.items() if (v := getattr(args, arg, None)) is not None})
         fields.update(overrides)
         return cls(**fields)
 

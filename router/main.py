@@ -18,11 +18,12 @@ from pathlib import Path
 
 import httpx
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
 from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
 from triptych.router.http_server import check_bind, run
+from triptych.router.metrics import PREFIX
 from triptych.router.orchestrator import Orchestrator, OrchestratorConfig
 from triptych.router.registry import Registry
 from triptych.router.routing import Chooser, Policy, parse_stage_policies
@@ -38,6 +39,9 @@ def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None 
     registry = Registry(worker_urls, poll_interval_s=poll_interval_s)
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
     metrics = CollectorRegistry()
+    Gauge(f"{PREFIX}_slo_attainment_target", "The share of requests that should meet the SLO "
+          "(compare triptych_frontend_slo_attainment)", ["model"],
+          registry=metrics).labels(config.model_name).set(config.slo_attainment_target)
     orchestrator = Orchestrator(registry, client, chooser or Chooser(), orchestrator_config, metrics)
     app = create_app(config, orchestrator, registry=metrics)
     inner = app.router.lifespan_context
@@ -82,10 +86,9 @@ def _discovery(args: argparse.Namespace) -> object | None:
         return None
     if not args.k8s_deployment:
         raise SystemExit("--discovery kubernetes needs --k8s-deployment")
-    from triptych.router.k8s_discovery import KubeAccess, KubernetesDiscovery
+    from triptych.router.k8s_discovery import KubernetesDiscovery
 
-    return KubernetesDiscovery(args.k8s_namespace or _own_namespace(), args.k8s_deployment,
-                               access=KubeAccess.auto())
+    return KubernetesDiscovery(args.k8s_namespace or _own_namespace(), args.k8s_deployment)
 
 
 def _own_namespace() -> str:
@@ -96,10 +99,7 @@ def _own_namespace() -> str:
 
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    overrides = {k: v for k, v in {"max_images_per_request": args.max_images_per_request,
-                                   "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}.items()
-                 if v is not None}
-    config = RouterConfig.from_cli(args, **overrides)
+    config = RouterConfig.from_cli(args)
     try:
         chooser = Chooser(Policy(args.routing_policy), parse_stage_policies(args.stage_policy))
     except ValueError as exc:

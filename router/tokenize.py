@@ -13,11 +13,11 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import Field
 
-from triptych import __version__
 from triptych.router.errors import InvalidRequestError, OpenAIError
 from triptych.router.prompt import completion_prompt, prepare_chat, template_messages
 from triptych.router.protocol import ChatMessage, _Strict
 from triptych.router.state import RouterState
+from triptych.version import __version__
 
 
 class TokenizeRequest(_Strict):

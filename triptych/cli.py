@@ -167,6 +167,10 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-images-per-request", type=int, default=None)
     p.add_argument("--ttft-slo", type=float, default=None, help="seconds, for the SLO attainment metrics")
     p.add_argument("--tbt-slo", type=float, default=None, help="seconds, for the SLO attainment metrics")
+    p.add_argument("--slo-attainment-target", type=float, default=None,
+                   help="share of requests that should meet the SLO (exported as a metric; default 0.9)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit in tokens (default: the checkpoint's max_position_embeddings)")
     p.set_defaults(func=_lazy("triptych.router.main:cli_main"))
 
 
@@ -186,7 +190,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _add_operator(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("operator", help="run the kopf operator")
     p.add_argument("--namespace", action="append", default=[], help="restrict to namespace(s)")
-    p.add_argument("--standalone", action="store_true", help="no peering")
+    p.add_argument("--standalone", action="store_true", help="no peering: the only replica (the default)")
+    p.add_argument("--peering", default=None, metavar="NAME",
+                   help="kopf peering object NAME: of several replicas only one acts (the oldest)")
+    p.add_argument("--priority", type=int, default=None,
+                   help="peering priority; the highest live one acts (default: older start = higher)")
     p.set_defaults(func=_lazy("triptych.operator.main:cli_main"))
     c = sub.add_parser("crd", help="print (or write) the MLLMDeployment CRD YAML")
     c.add_argument("--out", default=None)

@@ -16,6 +16,7 @@ A small aiohttp server on 127.0.0.N stands in for each pod's worker (`/health`,
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import datetime
@@ -33,7 +34,7 @@ import aiohttp.web
 import kmock
 import kopf
 
-from triptych.operator import names
+from triptych.kube import names
 from triptych.operator.context import OperatorConfig, OperatorContext
 from triptych.operator.main import run
 
@@ -53,6 +54,8 @@ RESOURCES: dict[str, tuple[str, bool, set[str]]] = {
     "apps/v1/deployments": ("Deployment", True, set()),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, set()),
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set()),
+    "kopf.dev/v1/clusterkopfpeerings": ("ClusterKopfPeering", False, set()),
+    "kopf.dev/v1/kopfpeerings": ("KopfPeering", True, set()),
 }
 SERVICE_MONITORS = "monitoring.coreos.com/v1/servicemonitors"
 VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
@@ -292,9 +295,13 @@ async def wait_for(check: Callable[[], Any], timeout: float = 30.0, what: str = 
 class OperatorThread:
     """The real kopf runtime with our handlers, in its own thread and event loop."""
 
-    def __init__(self, url: str, *, timer_interval: float = 0.5, namespaces: list[str] | None = None):
+    def __init__(self, url: str, *, timer_interval: float = 0.5, namespaces: list[str] | None = None,
+                 peering: str | None = None, priority: int | None = None, user: str = "operator"):
         self.url = url
         self.namespaces = namespaces or []
+        self.peering = peering
+        self.priority = priority
+        self.user = user  # sent as basic auth by kopf and our client: tells this operator's requests apart
         self.config = OperatorConfig(timer_interval=timer_interval, retry_delay=0.2, role_switch_timeout=5.0,
                                      operator_namespace="triptych-system")
         self.events: list[tuple[str, str, str]] = []
@@ -309,21 +316,25 @@ class OperatorThread:
         self.events.append((type_, reason, message))
         kopf.event(dict(body), type=type_, reason=reason, message=message)
 
-    def start(self) -> None:
-        ctx = OperatorContext(connect=lambda: kopf.ConnectionInfo(server=self.url), config=self.config,
-                              emit=self._emit)
+    def start(self, *, wait: bool = True) -> None:
+        """Start kopf; `wait` blocks this thread until kopf is ready - only for operators that
+        need no API call before kopf starts (the API emulator runs in the caller's loop)."""
+        ctx = OperatorContext(connect=lambda: kopf.ConnectionInfo(server=self.url, username=self.user,
+                                                                  password="test"),
+                              config=self.config, emit=self._emit)
         settings = kopf.OperatorSettings()
         settings.posting.default_backoffs = 0.1
         settings.networking.error_backoffs = (0.1, 0.2)
         settings.watching.reconnect_backoff = 0.05
         settings.background.cancellation_polling = 0.1
         settings.process.ultimate_exiting_timeout = 5
+        settings.peering.lifetime = 5  # a stopped peer that could not say goodbye expires fast
 
         async def operator() -> None:
             self._loop = asyncio.get_running_loop()
             self._task = asyncio.current_task()
-            await run(ctx, namespaces=self.namespaces, standalone=True, settings=settings,
-                      stop_flag=self._stop, ready_flag=self._ready)
+            await run(ctx, namespaces=self.namespaces, peering=self.peering, priority=self.priority,
+                      settings=settings, stop_flag=self._stop, ready_flag=self._ready)
 
         def main() -> None:
             try:
@@ -335,7 +346,11 @@ class OperatorThread:
 
         self._thread = threading.Thread(target=main, name="kopf", daemon=True)
         self._thread.start()
-        assert self._ready.wait(30), "kopf did not start"
+        if wait:
+            assert self._ready.wait(30), f"kopf did not start: {self.error!r}"
+
+    async def ready(self, timeout: float = 30) -> None:
+        assert await asyncio.to_thread(self._ready.wait, timeout), f"kopf did not start: {self.error!r}"
 
     async def stop(self) -> None:
         self._stop.set()
@@ -369,9 +384,10 @@ class Env:
     url: str
     operators: list[OperatorThread] = field(default_factory=list)
 
-    def start_operator(self, namespaces: list[str] | None = None) -> OperatorThread:
-        op = OperatorThread(self.url, namespaces=namespaces)
-        op.start()
+    def start_operator(self, namespaces: list[str] | None = None, *, peering: str | None = None,
+                       priority: int | None = None, user: str = "operator") -> OperatorThread:
+        op = OperatorThread(self.url, namespaces=namespaces, peering=peering, priority=priority, user=user)
+        op.start(wait=peering is None)  # with peering, the operator creates the peering object first
         self.operators.append(op)
         return op
 
@@ -380,6 +396,14 @@ class Env:
 
     def mark(self) -> int:
         return len(list(self.api))
+
+
+def sender(request: Any) -> str | None:
+    """The operator (OperatorThread.user) that made a request; None for the tests' own."""
+    auth = request.headers.get("Authorization", "")
+    if request.headers.get("User-Agent") == TEST_AGENT or not auth.startswith("Basic "):
+        return None
+    return base64.b64decode(auth.removeprefix("Basic ")).decode().partition(":")[0]
 
 
 def iter_requests(api: ApiServer) -> Iterator[Any]:

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from triptych.cli import FAMILIES
-from triptych.operator import names
+from triptych.kube import names
 from triptych.operator.api import Family, InvalidSpecError, MLLMDeploymentSpec, parse_spec
 from triptych.operator.crd import (
     CRD_PATH,

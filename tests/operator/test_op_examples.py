@@ -12,10 +12,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from triptych.operator import names
+from triptych.kube import names
 from triptych.operator.api import parse_spec
 from triptych.operator.crd import CRD_PATH
-from triptych.operator.reconcile import ClusterFacts, Owner, reconcile
+from triptych.operator.desired import ClusterFacts, Owner, desired_objects
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -64,7 +64,7 @@ def test_example_is_valid_against_the_crd_and_the_operator(path: Path) -> None:
     assert errors == [], [f"{list(e.path)}: {e.message}" for e in errors]
     meta = resource["metadata"]
     spec = parse_spec(resource["spec"], name=meta["name"])  # the cross-field rules hold too
-    desired = reconcile(Owner(meta["name"], meta["namespace"], "00000000-0000-4000-8000-000000000000"), spec,
+    desired = desired_objects(Owner(meta["name"], meta["namespace"], "00000000-0000-4000-8000-000000000000"), spec,
                         ClusterFacts(operator_namespace="triptych-system"))
     for obj in desired.objects:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from kube_harness import APPLY, Env, wait_for
 
-from triptych.operator import names
+from triptych.kube import names
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -21,18 +21,21 @@ from kube_harness import (
     wait_for,
 )
 
-from triptych.router.k8s_discovery import KubeAccess, KubernetesDiscovery, WorkerEndpoint
+from triptych.kube import names
+from triptych.kube.client import KubeClient, Login
+from triptych.router.k8s_discovery import KubernetesDiscovery, WorkerEndpoint
 
 pytestmark = pytest.mark.timeout(60)
 ROUTER_RBAC = Path(__file__).resolve().parents[2] / "deploy" / "router-rbac.yaml"
 
 
 def pod(name: str, deployment: str, ip: str, port: int, role: str | None, ready: bool = True) -> dict[str, Any]:
-    labels = {"triptych.dev/deployment": deployment, "app.kubernetes.io/component": "worker"}
+    labels = names.worker_selector(deployment)
     if role:
-        labels["triptych.dev/role"] = role
+        labels[names.LABEL_ROLE] = role
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": labels},
-            "spec": {"containers": [{"name": "worker", "ports": [{"name": "http", "containerPort": port}]}]},
+            "spec": {"containers": [{"name": "worker",
+                                     "ports": [{"name": names.PORT_NAME, "containerPort": port}]}]},
             "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
 
 
@@ -46,6 +49,7 @@ async def test_discovery_follows_its_own_confirmed_workers() -> None:
              ("demo-5", "D")], start=2)}
         for w in workers.values():
             await w.start()
+        kube = KubeClient(lambda: Login(server=url))
         try:
             pods = [pod("demo-1", "demo", "127.0.0.2", port, "P"),
                     pod("demo-2", "demo", "127.0.0.3", port, "D"),
@@ -56,8 +60,7 @@ async def test_discovery_follows_its_own_confirmed_workers() -> None:
             for p in pods:
                 await cluster.request("POST", f"/api/v1/namespaces/{NS}/pods", p)
             seen: list[list[WorkerEndpoint]] = []
-            discovery = KubernetesDiscovery(NS, "demo", access=KubeAccess(server=url), health_interval=0.2,
-                                            on_change=seen.append)
+            discovery = KubernetesDiscovery(NS, "demo", kube=kube, health_interval=0.2, on_change=seen.append)
             async with discovery:
                 await discovery.wait_synced(10)
                 expected = [WorkerEndpoint(f"http://127.0.0.2:{port}", "P", "demo-1"),
@@ -68,7 +71,7 @@ async def test_discovery_follows_its_own_confirmed_workers() -> None:
                 # the operator switches demo-3 to E: worker first, then the label
                 workers["demo-3"].role = "E"
                 await cluster.request("PATCH", f"/api/v1/namespaces/{NS}/pods/demo-3",
-                                      {"metadata": {"labels": {"triptych.dev/role": "E"}}},
+                                      {"metadata": {"labels": {names.LABEL_ROLE: "E"}}},
                                       "application/merge-patch+json")
                 await wait_for(lambda: any(e.pod == "demo-3" and e.role == "E" for e in discovery.current()),
                                what="relabelled pod")
@@ -79,6 +82,7 @@ async def test_discovery_follows_its_own_confirmed_workers() -> None:
                 await wait_for(lambda: [e.pod for e in discovery.current()] == ["demo-3"], what="mismatch")
                 assert all(e.pod.startswith("demo-") for batch in seen for e in batch)
         finally:
+            await kube.aclose()
             for w in workers.values():
                 await w.stop()
 
@@ -87,3 +91,14 @@ async def test_discovery_follows_its_own_confirmed_workers() -> None:
         selectors = {r.params.get("labelSelector") for r in api if r.headers.get("User-Agent") != TEST_AGENT
                      and r.resource is not None and r.resource.plural == "pods"}
         assert selectors == {"app.kubernetes.io/component=worker,triptych.dev/deployment=demo"}
+
+
+async def test_discovery_without_credentials_fails_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_login() -> Login:
+        raise RuntimeError("no service account and no kubeconfig")
+
+    monkeypatch.setattr(Login, "auto", staticmethod(no_login))
+    discovery = KubernetesDiscovery(NS, "demo")
+    with pytest.raises(RuntimeError, match="no service account"):
+        await discovery.start()
+    assert discovery.current() == []

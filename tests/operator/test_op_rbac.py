@@ -10,15 +10,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 from kube_harness import NS, Env, rbac_grants, rbac_needs, wait_for
 from test_op_integration import settle, spec
 
-from triptych.operator import names
+from triptych.cli import build_parser
+from triptych.kube import names
+from triptych.operator.peering import CLUSTER_PEERING, NAMESPACED_PEERING
 
 pytestmark = pytest.mark.timeout(120)
+PEERING = "triptych-operator"
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+CRDS = DEPLOY.parent / "crds"
 CHILDREN = ("v1/configmaps", "v1/services", "v1/serviceaccounts", "apps/v1/deployments",
             "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies",
             "rbac.authorization.k8s.io/v1/rolebindings", "monitoring.coreos.com/v1/servicemonitors")
@@ -48,7 +53,7 @@ async def test_operator_cluster_role_is_exactly_what_the_code_uses(env: Env) -> 
     port = env.cluster.worker_port
     pools = [{"name": "enc", "instanceTypes": ["E"], "port": port},
              {"name": "llm", "instanceTypes": ["P", "D"], "port": port}]
-    env.start_operator()
+    await env.start_operator(peering=PEERING).ready()  # as deploy/operator.yaml runs it
     await env.cluster.create_mllm("demo", spec(port, {"E": 1, "P": 1, "D": 2}, pools=pools))
     await settle(env, "demo", 4)
 
@@ -91,3 +96,22 @@ def test_operator_rbac_binds_the_operator_service_account() -> None:
     operator = [d for d in yaml.safe_load_all((DEPLOY / "operator.yaml").read_text()) if d]
     deployment = next(d for d in operator if d["kind"] == "Deployment")
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
+
+
+def test_deploy_runs_two_peered_replicas_with_the_peering_crds() -> None:
+    operator = [d for d in yaml.safe_load_all((DEPLOY / "operator.yaml").read_text()) if d]
+    deployment = next(d for d in operator if d["kind"] == "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(container["command"][1:])
+    assert (args.command, args.peering, args.standalone) == ("operator", PEERING, False)
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"  # kopf's peer identity
+
+    crds = {d["spec"]["names"]["plural"]: d for d in yaml.safe_load_all((CRDS / "kopf-peering.yaml").read_text())}
+    for kind, scope in ((CLUSTER_PEERING, "Cluster"), (NAMESPACED_PEERING, "Namespaced")):
+        crd = crds[kind.plural]
+        assert (crd["spec"]["group"], crd["spec"]["names"]["kind"], crd["spec"]["scope"]) == (
+            kind.group, kind.kind, scope)
+        assert [v["name"] for v in crd["spec"]["versions"]] == [kind.api_version.rpartition("/")[2]]
+        kubernetes_validate.validate(crd, "1.33", strict=True)

@@ -12,9 +12,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from triptych.operator import names
+from triptych.cli import build_parser
+from triptych.kube import names
 from triptych.operator.api import parse_spec
-from triptych.operator.reconcile import ClusterFacts, Desired, Owner, reconcile, spec_hash
+from triptych.operator.desired import ClusterFacts, Desired, Owner, desired_objects, spec_hash
+from triptych.router.config import RouterConfig
 from triptych.topology import InstanceType
 
 OWNER = Owner(name="demo", namespace="serving", uid="6d0c0a7e-0000-4000-8000-000000000001")
@@ -44,7 +46,7 @@ SERVICE_MONITOR_SCHEMA = {
 
 
 def render(spec: dict[str, Any], facts: ClusterFacts = FACTS) -> Desired:
-    return reconcile(OWNER, parse_spec(spec, name=OWNER.name), facts)
+    return desired_objects(OWNER, parse_spec(spec, name=OWNER.name), facts)
 
 
 def tiny(topology: dict[str, int], **extra: Any) -> dict[str, Any]:
@@ -58,7 +60,7 @@ GPU_POOL = {"name": "gpu", "resources": {"requests": {"cpu": "8", "memory": "64G
             "shmSize": "16Gi",
             "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{
                 "weight": 100, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
-                                                   "labelSelector": {"matchLabels": {"triptych.dev/pool": "gpu"}}}}]}}}
+                                                   "labelSelector": {"matchLabels": {names.LABEL_POOL: "gpu"}}}}]}}}
 
 LAYOUTS = {
     "default-pool-1E1P1D": (tiny({"E": 1, "P": 1, "D": 1}), {"workers": {"E": 1, "P": 1, "D": 1}}),
@@ -156,7 +158,7 @@ def _hashes(desired: Desired) -> dict[tuple[str, str], str]:
     (tiny({"E": 1, "P": 1, "D": 1}), tiny({"E": 1, "P": 1, "D": 1}, router={"replicas": 3}),
      {("Deployment", "demo-router")}),
     (tiny({"E": 1, "P": 1, "D": 1}), tiny({"E": 1, "P": 1, "D": 1}, slo={"ttftMs": 500}),
-     {("ConfigMap", "demo-config")}),
+     {("ConfigMap", "demo-config"), ("Deployment", "demo-router")}),  # the router takes the SLO as flags
 ])
 def test_scale_changes_touch_only_what_they_must(before: dict[str, Any], after: dict[str, Any],
                                                  changed: set[tuple[str, str]]) -> None:
@@ -271,3 +273,33 @@ def test_instance_types_all_have_a_pool_in_every_layout() -> None:
         counts = render(spec).pool_counts
         placed = {t for c in counts.values() for t, n in c.items() if n}
         assert placed == {InstanceType(t) for t, n in spec["topology"].items() if n}
+
+
+def _router_config(desired: Desired) -> RouterConfig:
+    """The router's config exactly as `triptych router` builds it from the rendered args."""
+    (container,) = desired.by_kind("Deployment")["demo-router"]["spec"]["template"]["spec"]["containers"]
+    return RouterConfig.from_cli(build_parser().parse_args([*container["command"][1:], *container["args"]]))
+
+
+def test_router_gets_the_slo_and_the_context_limit_as_flags() -> None:
+    spec = tiny({"EPD": 1}, slo={"ttftMs": 500, "tbtMs": 40, "attainmentTarget": 0.95})
+    spec["model"]["maxModelLen"] = 4096
+    config = _router_config(render(spec))
+    assert (config.ttft_slo_s, config.tbt_slo_s, config.slo_attainment_target, config.max_model_len) == (
+        0.5, 0.04, 0.95, 4096)
+    assert config.model_name == "demo"
+    default = _router_config(render(tiny({"EPD": 1})))  # the CRD's defaults, not the router's
+    assert (default.ttft_slo_s, default.tbt_slo_s, default.slo_attainment_target) == (2.0, 0.2, 0.9)
+    assert default.max_model_len is None  # then the router reads the checkpoint's config.json
+
+
+def test_router_exports_its_attainment_target(qwen2_vl_dir: Path) -> None:
+    from fastapi.testclient import TestClient
+
+    from triptych.router.main import build
+
+    args = build_parser().parse_args(["router", "--model", str(qwen2_vl_dir), "--served-model-name", "m",
+                                      "--slo-attainment-target", "0.95", "--max-model-len", "64"])
+    with TestClient(build(RouterConfig.from_cli(args), [])) as client:
+        metrics = client.get("/metrics").text
+    assert 'triptych_frontend_slo_attainment_target{model="m"} 0.95' in metrics

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hf_reference import hf_prompt_ids, make_test_image
 from routerkit import image_part, png_bytes
 
-from triptych import __version__
+from triptych.version import __version__
 
 
 async def test_tokenize_prompt_and_detokenize(client, processor) -> None:

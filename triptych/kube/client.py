@@ -1,10 +1,13 @@
-"""The operator's Kubernetes API client: list, server-side apply, merge patch, delete.
+"""The one Kubernetes API client: credentials -> httpx, then list, watch, apply, patch, delete.
 
-Plain httpx against the REST API, using the credentials kopf logged in with (kubeconfig or
-in-cluster service account, see main.py), so the operator holds one identity. Writes of
-child objects are server-side apply (`application/apply-patch+yaml`, field manager
-`triptych-operator`, force) - the API server creates missing objects and merges changed
-ones; pod labels/annotations and the status use JSON merge patches.
+Plain httpx against the REST API, shared by the operator (child objects, pods, status) and
+the router's discovery (list + watch of worker pods); no kubernetes-client objects at run
+time, no torch. Where the credentials come from: `Login.auto()` (the in-cluster service
+account, else the current kubeconfig context), or any object with the same fields, e.g.
+kopf's ConnectionInfo in tests. `connect` is called again after a 401, so a rotated
+service-account token is picked up. Writes of child objects are server-side apply
+(`application/apply-patch+yaml`, force, one field manager); pod labels/annotations and
+status use JSON merge patches.
 """
 
 from __future__ import annotations
@@ -13,17 +16,19 @@ import json
 import os
 import ssl
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
 
-from triptych.operator import names
+from triptych.kube import names
 
 Obj = dict[str, Any]
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 MERGE_CONTENT_TYPE = "application/merge-patch+json"
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 @dataclass(frozen=True)
@@ -59,22 +64,13 @@ PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
 MLLM = Kind(names.API_VERSION, names.KIND, names.PLURAL)
-
-# Children in apply order (config and identity before the pods that use them). Prunable
-# kinds are the ones whose set of objects changes with the spec (pools, toggles).
-CHILD_KINDS: tuple[Kind, ...] = (CONFIG_MAP, SERVICE_ACCOUNT, ROLE_BINDING, SERVICE, DEPLOYMENT, PDB,
-                                 NETWORK_POLICY, SERVICE_MONITOR)
-PRUNABLE: frozenset[str] = frozenset({"Deployment", "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor"})
-
-
-class KubeApiError(RuntimeError):
-    def __init__(self, status: int, method: str, path: str, message: str):
-        super().__init__(f"{method} {path}: HTTP {status}: {message}")
-        self.status = status
+KINDS: tuple[Kind, ...] = (CONFIG_MAP, SERVICE_ACCOUNT, SERVICE, POD, ROLE_BINDING, DEPLOYMENT, PDB,
+                           NETWORK_POLICY, SERVICE_MONITOR, MLLM)
 
 
 class Credentials(Protocol):
-    """The fields of kopf.ConnectionInfo we use."""
+    """How to reach the API server and as whom: the fields of kopf's ConnectionInfo we use
+    (so the operator can hand kopf and this client the same login)."""
 
     server: str
     ca_path: Any
@@ -88,6 +84,57 @@ class Credentials(Protocol):
     certificate_data: Any
     private_key_path: Any
     private_key_data: Any
+
+
+@dataclass(frozen=True)
+class Login:
+    """Credentials found in the environment: the pod's service account or a kubeconfig."""
+
+    server: str
+    ca_path: str | None = None
+    ca_data: str | bytes | None = None
+    insecure: bool | None = None
+    username: str | None = None
+    password: str | None = None
+    scheme: str | None = None
+    token: str | None = None
+    certificate_path: str | None = None
+    certificate_data: str | bytes | None = None
+    private_key_path: str | None = None
+    private_key_data: str | bytes | None = None
+
+    @classmethod
+    def in_cluster(cls, account_dir: Path = SERVICE_ACCOUNT_DIR) -> Login:
+        # Read on every call: bound service-account tokens rotate (KubeClient re-connects on 401).
+        host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
+        host = f"[{host}]" if ":" in host else host
+        return cls(server=f"https://{host}:{port}", token=(account_dir / "token").read_text().strip(),
+                   ca_path=str(account_dir / "ca.crt"))
+
+    @classmethod
+    def from_kubeconfig(cls, config_file: str | None = None) -> Login:
+        """The current context of $KUBECONFIG (or ~/.kube/config), as kopf.login_via_client reads it."""
+        import kubernetes.client  # lazily: only outside a cluster
+        import kubernetes.config
+
+        config = kubernetes.client.Configuration()
+        kubernetes.config.load_kube_config(config_file=config_file, client_configuration=config)
+        header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+        scheme, token = header.split(" ", 1) if header and " " in header else ("Bearer", header)
+        return cls(server=config.host, token=token or None, scheme=scheme, ca_path=config.ssl_ca_cert,
+                   certificate_path=config.cert_file, private_key_path=config.key_file,
+                   username=config.username or None, password=config.password or None,
+                   insecure=not config.verify_ssl)
+
+    @classmethod
+    def auto(cls) -> Login:
+        return cls.in_cluster() if "KUBERNETES_SERVICE_HOST" in os.environ else cls.from_kubeconfig()
+
+
+class KubeApiError(RuntimeError):
+    def __init__(self, status: int, method: str, path: str, message: str):
+        super().__init__(f"{method} {path}: HTTP {status}: {message}")
+        self.status = status
 
 
 def _as_file(data: str | bytes, suffix: str) -> str:
@@ -165,11 +212,43 @@ class KubeClient:
         return response.json() if response.content else {}
 
     async def list(self, kind: Kind, namespace: str | None, labels: Mapping[str, str]) -> list[Obj]:
+        items, _ = await self.list_versioned(kind, namespace, labels)
+        return items
+
+    async def list_versioned(self, kind: Kind, namespace: str | None,
+                             labels: Mapping[str, str]) -> tuple[list[Obj], str]:
+        """The matching objects and the list's resourceVersion (where a watch starts)."""
         path = kind.path(namespace)
-        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        data = self._check(await self._request("GET", path, params={"labelSelector": selector}), "GET", path)
+        params = {"labelSelector": label_selector(labels)}
+        data = self._check(await self._request("GET", path, params=params), "GET", path)
         # The server filters by the selector; checking again keeps us correct against any server.
-        return [o for o in data.get("items", []) if matches(o, labels)]
+        items = [o for o in data.get("items", []) if matches(o, labels)]
+        return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
+
+    async def watch(self, kind: Kind, namespace: str | None, labels: Mapping[str, str], *,
+                    resource_version: str = "", timeout_seconds: int = 300) -> AsyncIterator[tuple[str, Obj]]:
+        """(type, object) events until the server ends the watch after `timeout_seconds`.
+        An ERROR event (e.g. 410 Gone: the resourceVersion is too old) raises KubeApiError."""
+        path = kind.path(namespace)
+        params = {"labelSelector": label_selector(labels), "watch": "true", "allowWatchBookmarks": "true",
+                  "timeoutSeconds": str(timeout_seconds)}
+        if resource_version:
+            params["resourceVersion"] = resource_version
+        # The read timeout outlasts the server-side one: a silent watch is not a dead connection.
+        timeout = httpx.Timeout(self._timeout, read=timeout_seconds + self._timeout)
+        async with self._http().stream("GET", path, params=params, timeout=timeout,
+                                       headers={"Accept": "application/json"}) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                self._check(response, "GET", path)
+            async for line in response.aiter_lines():
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                type_, obj = event.get("type", ""), event.get("object") or {}
+                if type_ == "ERROR":
+                    raise KubeApiError(int(obj.get("code") or 500), "WATCH", path, str(obj.get("message", obj)))
+                yield type_, obj
 
     async def get(self, kind: Kind, namespace: str, name: str) -> Obj | None:
         path = kind.path(namespace, name)
@@ -177,6 +256,14 @@ class KubeClient:
         if response.status_code == 404:
             return None
         return self._check(response, "GET", path)
+
+    async def create(self, kind: Kind, obj: Mapping[str, Any]) -> Obj | None:
+        """Create `obj`; None when it exists already (HTTP 409)."""
+        path = kind.path(obj["metadata"].get("namespace"))
+        response = await self._request("POST", path, params={"fieldManager": self._field_manager}, body=obj)
+        if response.status_code == 409:
+            return None
+        return self._check(response, "POST", path)
 
     async def apply(self, obj: Mapping[str, Any]) -> Obj:
         """Server-side apply: create or update `obj`, owning every field it sets."""
@@ -210,7 +297,11 @@ class KubeClient:
         return any(r.get("name") == kind.plural for r in data.get("resources", []))
 
 
-_KINDS_BY_TYPE = {(k.api_version, k.kind): k for k in (*CHILD_KINDS, POD, MLLM)}
+def label_selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+_KINDS_BY_TYPE = {(k.api_version, k.kind): k for k in KINDS}
 
 
 def kind_of(obj: Mapping[str, Any]) -> Kind:

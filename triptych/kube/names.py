@@ -1,13 +1,17 @@
-"""Names shared by the CRD, the reconcile function, the handlers and the router's discovery.
+"""Kubernetes names shared by the operator, the router's discovery, the CRD and the tests.
 
 One place for API coordinates, label and annotation keys and child-object names, so the
-operator that writes a label and the router that selects on it cannot drift apart.
+operator that writes a label and the router that selects on it cannot drift apart. The
+label and annotation strings are pinned by tests/triptych/test_kube_names.py: they are
+part of the public contract (DESIGN.md "Names to keep"; llm-d and dashboards select on
+them), so renaming one here must be a deliberate, test-breaking change.
 """
 
 from __future__ import annotations
 
 from triptych.topology import InstanceType
 
+# --- the custom resource ------------------------------------------------------------------
 GROUP = "triptych.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -20,7 +24,7 @@ FIELD_MANAGER = "triptych-operator"
 OPERATOR_NAME = "triptych-operator"
 ROUTER_CLUSTER_ROLE = "triptych-router"
 
-# Pod and object labels (DESIGN.md "Names to keep").
+# --- pod and object labels (DESIGN.md "Names to keep") --------------------------------------
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
@@ -34,12 +38,16 @@ LABEL_LLMD_ROLE = "llm-d.ai/role"
 COMPONENT_WORKER = "worker"
 COMPONENT_ROUTER = "router"
 
+# --- annotations ----------------------------------------------------------------------------
 ANNOTATION_SPEC_HASH = "triptych.dev/spec-hash"
 ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 # The value we write on pods chosen for removal; the ReplicaSet controller deletes the
 # lowest cost first, and pods without the annotation count as 0.
 REMOVAL_DELETION_COST = "-1000"
 
+# --- roles ------------------------------------------------------------------------------------
+# The values a pod's triptych.dev/role label may hold: the instance types.
+ROLES: frozenset[str] = frozenset(t.value for t in InstanceType)
 # llm-d names prefill/decode/both; it has no encode stage, so E, EP, ED and EPD pods
 # carry no llm-d label rather than a misleading one.
 LLMD_ROLES: dict[InstanceType, str] = {
@@ -48,14 +56,18 @@ LLMD_ROLES: dict[InstanceType, str] = {
     InstanceType.PD: "both",
 }
 
+# --- pod layout -------------------------------------------------------------------------------
 DEFAULT_IMAGE = "ghcr.io/triptych/worker:0.1.0"
 WORKER_PORT = 8100
 ROUTER_PORT = 8000
+PORT_NAME = "http"  # the container port name probes, Services and the router's discovery use
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/triptych/config"
 CONFIG_FILE = "serving.json"
 SECRETS_MOUNT = "/etc/triptych/secrets"
 
+
+# --- child objects ------------------------------------------------------------------------------
 
 def worker_deployment_name(deployment: str, pool: str) -> str:
     return f"{deployment}-{pool}"
@@ -71,3 +83,8 @@ def workers_service_name(deployment: str) -> str:
 
 def config_map_name(deployment: str) -> str:
     return f"{deployment}-config"
+
+
+def worker_selector(deployment: str) -> dict[str, str]:
+    """The labels that select every worker pod of one MLLMDeployment (the router's discovery)."""
+    return {LABEL_COMPONENT: COMPONENT_WORKER, LABEL_DEPLOYMENT: deployment}

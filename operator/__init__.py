@@ -1,1 +1,0 @@
-"""The kopf operator: MLLMDeployment -> Kubernetes objects; planner and autoscaler."""

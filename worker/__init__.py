@@ -1,1 +1,0 @@
-"""The inference engine and the worker server: one process is one instance."""
