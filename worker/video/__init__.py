@@ -11,7 +11,14 @@ is opened, PyNvVideoCodec and torch only by the NVDEC backend.
 """
 
 from .collaborative import CollaborativeDecoder, DecodedVideo, DecoderSlot, LocalSlot, video_id
-from .decode import DecodedSegment, DecoderBackend, DecoderUnavailableError, NvdecBackend, PyAVBackend, make_backend
+from .decode import (
+    DecodedSegment,
+    DecoderBackend,
+    DecoderUnavailableError,
+    NvdecBackend,
+    PyAVBackend,
+    make_backend,
+)
 from .demux import SUPPORTED_CODECS, Gop, VideoIndex, index_video
 from .errors import (
     CorruptVideoError,
