@@ -160,6 +160,8 @@ class NvdecBackend:
             raw = decoder.get_batch_frames_by_index(segment.frame_indices)
         except (RuntimeError, ValueError) as exc:
             raise CorruptVideoError(f"NVDEC could not decode the video: {exc}") from None
+        if len(raw) != len(segment.frame_indices):
+            raise CorruptVideoError(f"NVDEC returned {len(raw)} of {len(segment.frame_indices)} frames")
         # §3.4: the output tensor is allocated after the segment is decoded.
         frames = torch.stack([torch.from_dlpack(f) for f in raw])
         return DecodedSegment(segment.index, segment.frame_indices, frames)
