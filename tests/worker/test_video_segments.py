@@ -83,3 +83,15 @@ def test_bad_frame_lists() -> None:
     for frames in ([], [3, 1], [1, 1], [16]):
         with pytest.raises(ValueError):
             plan_segments(index, frames, 2, 2)
+
+
+def test_video_modules_import_without_torch_or_pyav() -> None:
+    # The router may count video tokens with these: they must not load torch (nor PyAV
+    # before a video is opened).
+    import subprocess
+    import sys
+
+    code = ("import sys, triptych.worker.video, triptych.video_processing; "
+            "print(sorted(m for m in ('torch', 'av', 'PyNvVideoCodec') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
