@@ -22,6 +22,7 @@ def test_bench_video_cli_on_a_tiny_clip(tmp_path: Path, capsys: pytest.CaptureFi
     assert names[0] == "sequential PyAV, 1 thread" and names[-2:] == [
         "collaborative, 1 decoder thread(s)", "collaborative, 2 decoder thread(s)"]
     assert all(row["frames_identical"] and row["wall_s"] > 0 for row in report["rows"])
+    assert all(row["critical_cpu_s"] > 0 for row in report["rows"] if row["decoders"].startswith("collab"))
     assert "two V instances" in report["not_measured"]
 
 
