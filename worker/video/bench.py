@@ -2,7 +2,8 @@
 
 The clip (720p, 60 s, H.264, 2 s GOPs with B-frames by default) is generated once with
 PyAV and cached under ~/.cache/triptych/video. Each row is the wall time from the video's
-bytes to the sampled frames as RGB arrays at `--sample-fps` (transformers' Qwen2-VL
+bytes to the sampled frames as RGB arrays (per frame or per segment, not stacked into one
+array) at `--sample-fps` (transformers' Qwen2-VL
 sampling):
 
 - sequential PyAV, 1 thread: decode every frame front to back, keep the sampled ones
@@ -82,8 +83,10 @@ def bench_clip(width: int, height: int, seconds: int, fps: int, gop: int, preset
     return path
 
 
-def sequential_sampled_frames(data: bytes, options: SamplingOptions, threads: int) -> np.ndarray:
-    """The baseline: one decoder front to back, sampled frames kept (transformers' PyAV reader)."""
+def sequential_sampled_frames(data: bytes, options: SamplingOptions, threads: int) -> list[np.ndarray]:
+    """The baseline: one decoder front to back, sampled frames kept (transformers' PyAV reader).
+    Frames come back as a list (no final stacking copy), as the collaborative decoder's
+    come back per segment."""
     import av
 
     with av.open(io.BytesIO(data)) as container:
@@ -93,8 +96,7 @@ def sequential_sampled_frames(data: bytes, options: SamplingOptions, threads: in
             stream.codec_context.thread_type = "AUTO"
         fps = float(stream.average_rate)
         wanted = set(sample_frame_indices(stream.frames, fps, TEMPORAL_PATCH_SIZE, options))
-        kept = [frame.to_ndarray(format="rgb24") for i, frame in enumerate(container.decode(stream)) if i in wanted]
-    return np.stack(kept)
+        return [frame.to_ndarray(format="rgb24") for i, frame in enumerate(container.decode(stream)) if i in wanted]
 
 
 def _time(fn: Callable[[], Any], repeats: int) -> tuple[float, float, Any]:
@@ -134,13 +136,13 @@ def _collaborative_row(data: bytes, options: SamplingOptions, slots: list[Decode
         for slot in timed:
             slot.cpu_s = 0.0
         main0 = time.thread_time()
-        frames = pool.decode(data, TEMPORAL_PATCH_SIZE, options, timeout=600).frames()
+        video = pool.decode(data, TEMPORAL_PATCH_SIZE, options, timeout=600)
         critical.append(time.thread_time() - main0 + max(slot.cpu_s for slot in timed))
-        return frames
+        return video
 
     with CollaborativeDecoder(slots=timed) as pool:
-        wall, cpu, frames = _time(once, repeats)
-    return wall, cpu, statistics.median(critical), frames
+        wall, cpu, video = _time(once, repeats)
+    return wall, cpu, statistics.median(critical), video.frames()  # stacked after timing
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -152,11 +154,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     rows: list[dict[str, Any]] = []
     base_wall, base_cpu, reference = _time(lambda: sequential_sampled_frames(data, options, 1), args.repeats)
+    reference = np.stack(reference)
     base = (base_wall, base_cpu)
     rows.append(_row("sequential PyAV, 1 thread", 1, base_wall, base_cpu, base_cpu, base, cores))
     wall, cpu, frames = _time(lambda: sequential_sampled_frames(data, options, 0), args.repeats)
     rows.append(_row("sequential PyAV, FFmpeg frame threads", cores, wall, cpu, None, base, cores,
-                     identical=bool(np.array_equal(frames, reference))))
+                     identical=bool(np.array_equal(np.stack(frames), reference))))
     for k in sorted(set(args.decoders or [1, 2, cores])):
         wall, cpu, critical, frames = _collaborative_row(data, options, None, k, args.repeats)
         rows.append(_row(f"collaborative, {k} decoder thread(s)", k, wall, cpu, critical, base, cores,

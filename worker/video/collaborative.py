@@ -34,7 +34,7 @@ from .limits import VideoLimits
 from .sampling import SamplingOptions, sample_frame_indices
 from .segments import Segment, plan_segments
 
-SEGMENTS_PER_DECODER = 2  # GOP sets per decoder: enough slack for stall-free balancing
+SEGMENTS_PER_DECODER = 4  # GOP sets per decoder: slack for stall-free balancing (§3.3)
 
 
 class DecoderSlot(Protocol):
