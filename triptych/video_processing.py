@@ -89,8 +89,16 @@ class VideoProcessorConfig:
         raise FileNotFoundError(f"{model_dir}: no video or image preprocessor config")
 
     def with_pixel_bounds(self, min_pixels: int | None = None, max_pixels: int | None = None) -> VideoProcessorConfig:
-        """Per-request bounds (vLLM-style `mm_processor_kwargs`)."""
-        return replace(self, min_pixels=min_pixels or self.min_pixels, max_pixels=max_pixels or self.max_pixels)
+        """Per-request bounds (vLLM-style `mm_processor_kwargs`); bad ones are a PromptError (400)."""
+        lo = self.min_pixels if min_pixels is None else min_pixels
+        hi = self.max_pixels if max_pixels is None else max_pixels
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 < lo <= hi):
+            raise PromptError(f"video pixel bounds must be integers with 0 < min_pixels <= max_pixels, got {lo}, {hi}")
+        return replace(self, min_pixels=lo, max_pixels=hi)
+
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The checkpoint's frame-sampling defaults, for `worker.video.SamplingOptions.from_request`."""
+        return {"fps": self.fps, "min_frames": self.min_frames, "max_frames": self.max_frames}
 
     @property
     def factor(self) -> int:

@@ -94,7 +94,11 @@ def test_config_reads_like_transformers(tmp_path: Path) -> None:
     (tmp_path / "processor_config.json").write_text(json.dumps({"video_processor": {"temporal_patch_size": 2}}))
     cfg = VideoProcessorConfig.from_pretrained(tmp_path)
     assert (cfg.min_pixels, cfg.max_pixels) == (128 * 28 * 28, 28 * 28 * 768)
-    assert cfg.with_pixel_bounds(max_pixels=50000).max_pixels == 50000
+    assert cfg.with_pixel_bounds(max_pixels=200000).max_pixels == 200000
+    for lo, hi in ((0, 10), (100, 10), (1.5, 10)):
+        with pytest.raises(PromptError):
+            cfg.with_pixel_bounds(lo, hi)
+    assert cfg.sampling_defaults() == {"fps": 2.0, "min_frames": 4, "max_frames": 768}
 
 
 @pytest.mark.parametrize("num_frames", [4, 5, 1])
@@ -118,6 +122,11 @@ def test_segmentwise_patches_equal_whole_video_patches() -> None:
         assert seg.grid_thw == whole.grid_thw and np.array_equal(seg.pixel_values_videos, whole.pixel_values_videos)
     with pytest.raises(ValueError):
         preprocess_segments(np.split(frames, [3]), cfg)  # a temporal patch would straddle the cut
+    # The collaborative decoder's own segments (Fig. 7b alignment) patchify independently.
+    decoded = _decoded(7.0)
+    assert len(decoded.segments) > 1
+    per_segment = preprocess_segments([s.frames for s in decoded.segments], cfg)
+    assert np.array_equal(per_segment.pixel_values_videos, preprocess_frames(decoded.frames(), cfg).pixel_values_videos)
 
 
 def test_resize_to_pixel_bounds_uses_smart_resize() -> None:

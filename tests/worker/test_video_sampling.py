@@ -106,3 +106,14 @@ def test_second_per_grid_t_is_qwen25_processor_rule() -> None:
     # Qwen2_5_VLProcessor: temporal_patch_size / VideoMetadata.sampled_fps.
     assert second_per_grid_t(20, 300, 30.0, 2) == pytest.approx(1.0)
     assert second_per_grid_t(8, 100, 25.0, 2) == pytest.approx(2 / (8 / 100 * 25.0))
+
+
+def test_request_options_over_checkpoint_defaults() -> None:
+    defaults = {"fps": 1.0, "min_frames": 4, "max_frames": 64}
+    assert SamplingOptions.from_request(None, defaults) == SamplingOptions(fps=1.0, min_frames=4, max_frames=64)
+    assert SamplingOptions.from_request({"fps": 4}, defaults).fps == 4
+    by_count = SamplingOptions.from_request({"num_frames": 8}, defaults)
+    assert (by_count.num_frames, by_count.fps, by_count.max_frames) == (8, None, 64)
+    for bad in ({"fps": 2, "num_frames": 8}, {"fps": -1}, {"max_frames": 0}, {"frames_per_second": 2}):
+        with pytest.raises(ValidationError):
+            SamplingOptions.from_request(bad, defaults)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,6 +46,16 @@ class SamplingOptions(BaseModel):
         if self.min_frames > self.max_frames:
             raise ValueError(f"min_frames ({self.min_frames}) exceeds max_frames ({self.max_frames})")
         return self
+
+    @classmethod
+    def from_request(cls, kwargs: dict[str, Any] | None, defaults: dict[str, Any] | None = None) -> SamplingOptions:
+        """vLLM-style per-request `mm_processor_kwargs` (its sampling keys) over the checkpoint's
+        defaults (`VideoProcessorConfig.sampling_defaults()`); a request's `num_frames`
+        replaces a default `fps`. Bad values raise pydantic's ValidationError (a 400)."""
+        merged = {**(defaults or {}), **(kwargs or {})}
+        if (kwargs or {}).get("num_frames") is not None and "fps" not in (kwargs or {}):
+            merged.pop("fps", None)
+        return cls.model_validate(merged)
 
     @property
     def effective_fps(self) -> float | None:
