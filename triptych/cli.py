@@ -98,6 +98,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_lazy("triptych.bench.idle_cpu:cli_main"))
+    _add_bench_video(bsub)
+
+
+def _add_bench_video(bsub: argparse._SubParsersAction) -> None:
+    v = bsub.add_parser("video", help="time to sampled frames: sequential PyAV vs collaborative decoders")
+    v.add_argument("--clip", default=None, help="a video file (default: generate a 720p 60 s H.264 clip)")
+    v.add_argument("--width", type=int, default=1280)
+    v.add_argument("--height", type=int, default=720)
+    v.add_argument("--seconds", type=int, default=60)
+    v.add_argument("--fps", type=int, default=30, help="frame rate of the generated clip")
+    v.add_argument("--gop", type=int, default=60, help="keyframe interval of the generated clip (frames)")
+    v.add_argument("--sample-fps", type=float, default=2.0)
+    v.add_argument("--max-frames", type=int, default=768)
+    v.add_argument("--decoders", type=int, nargs="+", default=None, help="k values (default: 1 2 cores)")
+    v.add_argument("--repeats", type=int, default=3)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=_lazy("triptych.worker.video.bench:cli_main"))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:

@@ -71,9 +71,9 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class MMItem:
-    """One image's placeholder run in the prompt: token_ids[offset:offset+length]."""
+    """One image's (or video's: triptych.video_processing) placeholder run: token_ids[offset:offset+length]."""
 
-    kind: Literal["image"]
+    kind: Literal["image", "video"]
     index: int  # position among the request's images
     offset: int
     length: int
@@ -81,6 +81,7 @@ class MMItem:
     content_hash: str
     width: int  # of the image as given (before the processor's resize)
     height: int
+    second_per_grid_t: float | None = None  # Qwen2.5-VL videos: M-RoPE temporal spacing
 
 
 @dataclass(frozen=True)

@@ -140,10 +140,12 @@ def _vision_positions(spec: ModelSpec, item: MMSpan, start: int) -> tuple[torch.
             f"{item.kind} at offset {item.offset}: grid {t}x{h}x{w} gives {t * llm_h * llm_w} tokens "
             f"after {merge}x{merge} merging but the placeholder run has {item.length}"
         )
-    interval = 1.0
+    interval: float | torch.Tensor = 1.0
     if item.kind == "video" and spec.tokens_per_second is not None:
-        # Qwen2.5-VL: temporal ids spaced by tokens_per_second * seconds per temporal grid.
-        interval = spec.tokens_per_second * float(getattr(item, "second_per_grid_t", 1.0) or 1.0)
+        # Qwen2.5-VL: temporal ids spaced by tokens_per_second * seconds per temporal grid, in
+        # float32 as transformers (second_per_grid_ts is a float32 tensor there) before truncating.
+        seconds = torch.tensor(float(getattr(item, "second_per_grid_t", 1.0) or 1.0), dtype=torch.float32)
+        interval = spec.tokens_per_second * seconds
     temporal = (torch.arange(t) * interval).long() + start
     rows = torch.arange(llm_h) + start
     cols = torch.arange(llm_w) + start

@@ -103,6 +103,16 @@ class QwenVisionModel(VisionModel):
         t = len(groups)
         return VisionInput(pixels, (t, h, w), t * h * w // self.merge**2)
 
+    def video_input(self, pixel_values_videos: Any, grid_thw: tuple[int, int, int]) -> VisionInput:
+        """A video already patchified by `triptych.video_processing` (transformers' video
+        processor arithmetic, pixel bounds from the video processor config; possibly built on
+        a V instance) as an input of `encode`: the tower treats it like an image with t > 1."""
+        pixels = torch.as_tensor(pixel_values_videos)
+        t, h, w = (int(v) for v in grid_thw)
+        if pixels.dim() != 2 or pixels.shape[0] != t * h * w:
+            raise ValueError(f"video patches {tuple(pixels.shape)} do not match grid {t}x{h}x{w}")
+        return VisionInput(pixels, (t, h, w), t * h * w // self.merge**2)
+
     @torch.no_grad()  # not inference_mode: callers write the outputs into caches in place
     def encode(self, batch: Sequence[VisionInput]) -> list[torch.Tensor]:
         if not batch:
