@@ -80,42 +80,36 @@ class StepProfile(BaseModel):
     def encode_s(self, num_images: int, pixels: float) -> float:
         if num_images <= 0:
             return 0.0
-        rows = self._encode_rows
-        keys = [r.pixels for r in rows]
+        keys, curves = self._encode_curves
         i = bisect.bisect_left(keys, pixels)
-        if i == 0 or len(rows) == 1:
-            return _scaled_row(rows[0], num_images, pixels)
-        if i == len(rows):
-            return _scaled_row(rows[-1], num_images, pixels)
-        lo, hi = rows[i - 1], rows[i]
-        a, b = _interp(lo.points, num_images), _interp(hi.points, num_images)
-        return a + (b - a) * (pixels - lo.pixels) / (hi.pixels - lo.pixels)
+        if i == 0 or len(keys) == 1:  # outside the table: scale the nearest row by the pixel ratio
+            return _interp(curves[0], num_images) * pixels / keys[0]
+        if i == len(keys):
+            return _interp(curves[-1], num_images) * pixels / keys[-1]
+        a, b = _interp(curves[i - 1], num_images), _interp(curves[i], num_images)
+        return a + (b - a) * (pixels - keys[i - 1]) / (keys[i] - keys[i - 1])
 
     def prefill_s(self, num_tokens: int) -> float:
-        return _interp(self.prefill, num_tokens) if num_tokens > 0 else 0.0
+        return _interp(self._prefill_curve, num_tokens) if num_tokens > 0 else 0.0
 
     def decode_s(self, batch: int, context: float) -> float:
         if batch <= 0:
             return 0.0
-        rows = self._decode_rows
-        keys = [r.context for r in rows]
+        keys, curves = self._decode_curves
         i = bisect.bisect_left(keys, context)
-        if i == 0 or len(rows) == 1:
-            return _interp(rows[0].points, batch)
-        if i == len(rows):  # past the last context: extrapolate from the last two rows
-            if len(rows) == 1:
-                return _interp(rows[-1].points, batch)
-            i = len(rows) - 1
-        lo, hi = rows[i - 1], rows[i]
-        a, b = _interp(lo.points, batch), _interp(hi.points, batch)
-        return max(0.0, a + (b - a) * (context - lo.context) / (hi.context - lo.context))
+        if i == 0 or len(keys) == 1:
+            return _interp(curves[0], batch)
+        if i == len(keys):  # past the last context: extrapolate from the last two rows
+            i = len(keys) - 1
+        a, b = _interp(curves[i - 1], batch), _interp(curves[i], batch)
+        return max(0.0, a + (b - a) * (context - keys[i - 1]) / (keys[i] - keys[i - 1]))
 
     def step_s(self, *, images: int = 0, pixels: float = 0.0, prefill_tokens: int = 0,
                decodes: int = 0, context: float = 0.0) -> float:
         """One scheduler step: encode the images, then one language forward."""
         t = self.step_overhead_s + self.encode_s(images, pixels)
         if prefill_tokens and decodes:
-            base = self._decode_rows[0].context
+            base = self._decode_curves[0][0]
             attn = max(0.0, self.decode_s(decodes, context) - self.decode_s(decodes, base))
             t += self.prefill_s(prefill_tokens + decodes) + attn
         elif prefill_tokens:
@@ -135,12 +129,26 @@ class StepProfile(BaseModel):
         return max(1, _search(lambda n: self.step_overhead_s + self.encode_s(n, pixels), limit_s, hi))
 
     @cached_property
-    def _encode_rows(self) -> list[EncodeRow]:
-        return sorted(self.encode, key=lambda r: r.pixels)
+    def _encode_curves(self) -> tuple[list[int], list[_Curve]]:
+        rows = sorted(self.encode, key=lambda r: r.pixels)
+        return [r.pixels for r in rows], [_curve(r.points) for r in rows]
 
     @cached_property
-    def _decode_rows(self) -> list[DecodeRow]:
-        return sorted(self.decode, key=lambda r: r.context)
+    def _prefill_curve(self) -> _Curve:
+        return _curve(self.prefill)
+
+    @cached_property
+    def _decode_curves(self) -> tuple[list[int], list[_Curve]]:
+        rows = sorted(self.decode, key=lambda r: r.context)
+        return [r.context for r in rows], [_curve(r.points) for r in rows]
+
+
+_Curve = tuple[list[float], list[float]]
+
+
+def _curve(points: Sequence[Point]) -> _Curve:
+    pts = sorted(points, key=lambda p: p.x)
+    return [p.x for p in pts], [p.seconds for p in pts]
 
 
 def _search(cost, limit: float, hi: int) -> int:  # type: ignore[no-untyped-def]
@@ -155,25 +163,17 @@ def _search(cost, limit: float, hi: int) -> int:  # type: ignore[no-untyped-def]
     return best
 
 
-def _scaled_row(row: EncodeRow, num_images: int, pixels: float) -> float:
-    """Outside the measured pixel range: scale the nearest row by the pixel ratio."""
-    return _interp(row.points, num_images) * pixels / row.pixels
-
-
-def _interp(points: Sequence[Point], x: float) -> float:
-    if len(points) == 1:
-        p = points[0]
-        return p.seconds * x / p.x if p.x else p.seconds
-    xs = [p.x for p in points]
+def _interp(curve: _Curve, x: float) -> float:
+    """Linear between points, linear extrapolation past the last, proportional below the first."""
+    xs, ys = curve
+    if len(xs) == 1:
+        return ys[0] * x / xs[0] if xs[0] else ys[0]
+    if x <= xs[0]:
+        return ys[0] * x / xs[0] if xs[0] > 0 else ys[0]
     i = bisect.bisect_left(xs, x)
-    if i == 0:
-        a, b = points[0], points[1]
-        if x <= a.x:  # below the first point: proportional toward 0 work
-            return a.seconds * x / a.x if a.x > 0 else a.seconds
-    elif i >= len(points):
-        a, b = points[-2], points[-1]
-    else:
-        a, b = points[i - 1], points[i]
-    if b.x == a.x:
-        return b.seconds
-    return max(0.0, a.seconds + (b.seconds - a.seconds) * (x - a.x) / (b.x - a.x))
+    if i >= len(xs):
+        i = len(xs) - 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    if x1 == x0:
+        return y1
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))

@@ -138,6 +138,21 @@ def at_rate(reqs: Sequence[TraceRequest], rate: float) -> list[TraceRequest]:
     return [r.model_copy(update={"t": (r.t - t0) * scale}) for r in reqs]
 
 
+def tile(reqs: Sequence[TraceRequest], count: int) -> list[TraceRequest]:
+    """At least `count` requests: the trace repeated end to end (its gaps and shapes kept,
+    one mean gap between copies), so a short trace can drive a long, steady run."""
+    if len(reqs) >= count:
+        return list(reqs)
+    t0, span = reqs[0].t, reqs[-1].t - reqs[0].t
+    period = span + (span / (len(reqs) - 1) if len(reqs) > 1 else 1.0)
+    out: list[TraceRequest] = []
+    copy = 0
+    while len(out) < count:
+        out += [r.model_copy(update={"t": r.t - t0 + copy * period}) for r in reqs]
+        copy += 1
+    return out[:count]
+
+
 class WorkloadStats(BaseModel):
     """The shape of a workload, as the optimizer and the signals see it."""
 
