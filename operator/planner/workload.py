@@ -153,6 +153,19 @@ def tile(reqs: Sequence[TraceRequest], count: int) -> list[TraceRequest]:
     return out[:count]
 
 
+def resample(reqs: Sequence[TraceRequest], seed: int, count: int | None = None) -> list[TraceRequest]:
+    """A bootstrap replica: request shapes and inter-arrival gaps drawn with replacement
+    from the trace (another realization of the same workload, for variance reduction)."""
+    rng = random.Random(seed)
+    gaps = [b.t - a.t for a, b in zip(reqs, reqs[1:], strict=False)] or [1.0]
+    t, out = 0.0, []
+    for _ in range(count or len(reqs)):
+        r = rng.choice(reqs)
+        out.append(r.model_copy(update={"t": t}))
+        t += rng.choice(gaps)
+    return out
+
+
 class WorkloadStats(BaseModel):
     """The shape of a workload, as the optimizer and the signals see it."""
 
