@@ -49,6 +49,7 @@ class PolicyConfig(BaseModel):
     divergence_off: float = Field(0.25, ge=0, description="fill spread under which a trigger resets")
     all_busy_fill: float = Field(0.5, description="EPDServe: no move when every stage is this full")
     # encoder autoscaling: queued images per E instance
+    encoder_scaling: bool = True
     encode_up: float = Field(8.0, gt=0)
     encode_down: float = Field(1.0, ge=0)
     # replan
@@ -148,9 +149,16 @@ def _triggers(snap: Snapshot, counts: dict[InstanceType, int], fills: dict[Insta
     spread = max(fills.values()) - min(fills.values()) if len(fills) > 1 else 0.0
     diverged = spread >= cfg.divergence_on or (prev.get("diverged", False) and spread > cfg.divergence_off)
     n_e = counts.get(InstanceType.E, 0)
-    per_e = snap.queues["encode"].images / n_e if n_e else 0.0
+    per_e = _encode_work(snap) / n_e if n_e else 0.0
     return {"diverged": diverged, "encode_high": n_e > 0 and per_e >= cfg.encode_up,
             "encode_low": n_e > 0 and per_e <= cfg.encode_down}
+
+
+def _encode_work(snap: Snapshot) -> float:
+    """Queued images; a waiting encode request holds at least one even where only request
+    counts are known."""
+    q = snap.queues["encode"]
+    return max(q.images, q.requests)
 
 
 def _cooldown_left(history: History, action_rule: str, cooldown: float, now: float,
@@ -219,10 +227,12 @@ def _reactive(snap, counts, fills, triggers, history, cfg, proposal):  # type: i
 
 def _encoder(snap, counts, fills, triggers, history, cfg, proposal):  # type: ignore[no-untyped-def]
     n_e = counts.get(InstanceType.E, 0)
+    if not cfg.encoder_scaling:
+        return None, "encoder: autoscaling off"
     if not n_e:
         return None, "encoder: no E instances in this plan"
     lo, hi = cfg.bounds(InstanceType.E)
-    per_e = snap.queues["encode"].images / n_e
+    per_e = _encode_work(snap) / n_e
     for trig, delta in (("encode_high", 1), ("encode_low", -1)):
         if not triggers[trig]:
             continue
