@@ -90,6 +90,7 @@ class Decision(BaseModel):
     target: dict[InstanceType, int] = Field(default_factory=dict, description="counts after the action")
     dry_run: bool = False
     triggers: dict[str, bool] = Field(default_factory=dict, description="each rule's trigger state")
+    direction: str | None = Field(None, description="reactive: the move the queues point to, e.g. 'E->D'")
 
 
 class History(BaseModel):
@@ -104,9 +105,14 @@ class History(BaseModel):
         return None
 
     def held(self, trigger: str, n: int) -> int:
-        """How many of the last n-1 decisions had `trigger` set (the current one makes n)."""
-        recent = self.decisions[-(n - 1):] if n > 1 else []
-        return sum(1 for d in recent if d.triggers.get(trigger))
+        """For how many of the last n-1 decisions in a row `trigger` was set (the current
+        one makes n)."""
+        count = 0
+        for d in reversed(self.decisions[-(n - 1):] if n > 1 else []):
+            if not d.triggers.get(trigger):
+                break
+            count += 1
+        return count
 
 
 # --- the policy ---------------------------------------------------------------------------
@@ -116,7 +122,8 @@ def decide(snap: Snapshot, counts: dict[InstanceType, int], history: History, cf
     counts = {k: v for k, v in counts.items() if v > 0}
     fills = _type_fills(snap, counts, cfg)
     triggers = _triggers(snap, counts, fills, history, cfg)
-    base = {"at": now, "dry_run": cfg.dry_run, "triggers": triggers}
+    direction = _direction(fills) if triggers["diverged"] else None
+    base = {"at": now, "dry_run": cfg.dry_run, "triggers": triggers, "direction": direction}
     reasons = []
     for rule in (_reactive, _encoder, _replan):
         d, why = rule(snap, counts, fills, triggers, history, cfg, proposal)
@@ -139,6 +146,14 @@ def _type_fills(snap: Snapshot, counts: dict[InstanceType, int], cfg: PolicyConf
                 vals.append(q.requests / serving / cfg.max_queue_per_instance)
         fills[kind] = sum(vals) / len(vals) if vals else 0.0
     return fills
+
+
+def _direction(fills: dict[InstanceType, float]) -> str | None:
+    if len(fills) < 2:
+        return None
+    src = min(fills, key=lambda k: (fills[k], k.value))
+    dst = max(fills, key=lambda k: (fills[k], k.value))
+    return f"{src.value}->{dst.value}"
 
 
 def _triggers(snap: Snapshot, counts: dict[InstanceType, int], fills: dict[InstanceType, float],
@@ -212,11 +227,16 @@ def _reactive(snap, counts, fills, triggers, history, cfg, proposal):  # type: i
                       "(short of capacity, not misbalanced)")
     if not triggers["diverged"]:
         return None, "reactive: stage queues do not diverge"
-    held = history.held("diverged", cfg.sustain) + 1
-    if held < cfg.sustain:
-        return None, f"reactive: divergence held {held}/{cfg.sustain} snapshots"
-    src = min(fills, key=lambda k: (fills[k], -counts[k]))
-    dst = max(fills, key=lambda k: fills[k])
+    direction = _direction(fills)
+    held = 1
+    for d in reversed(history.decisions[-(cfg.sustain - 1):] if cfg.sustain > 1 else []):
+        if d.direction != direction:
+            break
+        held += 1
+    if held < cfg.sustain:  # the same move must be wanted for `sustain` snapshots in a row
+        return None, f"reactive: divergence {direction} held {held}/{cfg.sustain} snapshots"
+    src_name, dst_name = direction.split("->")  # type: ignore[union-attr]
+    src, dst = InstanceType(src_name), InstanceType(dst_name)
     blocked = _switch_blocked(counts, src, dst, history, cfg, snap.at)
     if blocked:
         return None, f"reactive: {src.value} -> {dst.value} wanted, but {blocked}"
