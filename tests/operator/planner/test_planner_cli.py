@@ -44,3 +44,16 @@ def test_bad_topology_is_a_clean_error(tmp_path: Path) -> None:
     model = write_model(tmp_path / "m", QWEN2_VL_7B)
     with pytest.raises(SystemExit, match="cannot parse topology"):
         main(["simulate", "--model", str(model), "--gpu", "H100", "--topology", "1X"])
+
+
+def test_the_planner_imports_no_torch_and_no_worker_code() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, triptych.operator.planner.cli, triptych.operator.planner.optimizer, "
+            "triptych.operator.planner.signals, triptych.operator.planner.policy, "
+            "triptych.operator.planner.connectors; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+            "or m.startswith('triptych.worker')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
