@@ -26,7 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from triptych.operator.api import AutoscalingConfig
-from triptych.operator.planner.signals import Snapshot
+from triptych.operator.planner.signals import Snapshot, StageQueue
 from triptych.topology import InstanceType, format_topology
 
 Action = Literal["none", "switch_role", "scale"]
@@ -172,7 +172,7 @@ def _triggers(snap: Snapshot, counts: dict[InstanceType, int], fills: dict[Insta
 def _encode_work(snap: Snapshot) -> float:
     """Queued images; a waiting encode request holds at least one even where only request
     counts are known."""
-    q = snap.queues["encode"]
+    q = snap.queues.get("encode", StageQueue())
     return max(q.images, q.requests)
 
 

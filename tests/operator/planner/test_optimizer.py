@@ -116,24 +116,32 @@ WORKLOADS = [
 ]
 
 
-def rank_of(chosen: dict[T, int], prof, spec: WorkloadSpec, cfg: SimConfig, guess: float) -> tuple[int, float, list[str]]:  # type: ignore[no-untyped-def]
-    held_out = CompiledTrace(generate(spec.model_copy(update={"num_requests": 1000}), seed=2), prof)
-    g = goodput(chosen, prof, held_out, cfg, guess, step=STEP, min_duration_s=30).goodput_rps
-    rate = g * STEP
+def passing(prof, held_out: CompiledTrace, cfg: SimConfig, rate: float, skip: dict[T, int]) -> list[str]:  # type: ignore[no-untyped-def]
+    """Candidates that meet 90% attainment (sustained) at `rate` on the held-out trace."""
     run = held_out.at(rate, max(1000, int(rate * 30)))
-    better = []
+    out = []
     for m in METHODS:
         for c in all_ratios(m, 8):
-            if c != chosen:
+            if c != skip:
                 r = simulate(c, prof, run, cfg, stop_below=0.9)
                 if r.slo_attainment >= 0.9 and r.sustained:
-                    better.append(format_topology(c))
-    return 1 + len(better), g, better
+                    out.append(format_topology(c))
+    return out
+
+
+def rank_of(chosen: dict[T, int], prof, spec: WorkloadSpec, cfg: SimConfig,  # type: ignore[no-untyped-def]
+            guess: float) -> tuple[int, int, float, list[str]]:
+    """(rank, candidates tied within one grid step, held-out goodput, the better ones)."""
+    held_out = CompiledTrace(generate(spec.model_copy(update={"num_requests": 1000}), seed=2), prof)
+    g = goodput(chosen, prof, held_out, cfg, guess, step=STEP, min_duration_s=30).goodput_rps
+    better = passing(prof, held_out, cfg, g * STEP, chosen)
+    ties = len(passing(prof, held_out, cfg, g, chosen)) - len(better)
+    return 1 + len(better), ties, g, better
 
 
 @pytest.mark.slow
 def test_replan_choice_ranks_near_the_top_of_all_candidates(models: dict[str, Path]) -> None:
-    ranks, lines = [], []
+    ranks, worst, lines = [], [], []
     for name, model, gpu, ttft, tbt, spec in WORKLOADS:
         prof = roofline_profile(read_shape(models[model]), gpu)
         cfg = SimConfig(ttft_slo_s=ttft, tbt_slo_s=tbt)
@@ -148,11 +156,14 @@ def test_replan_choice_ranks_near_the_top_of_all_candidates(models: dict[str, Pa
                    Proposal(method=p.method, counts=target, predicted_goodput_rps=p.predicted_goodput_rps,
                             current_goodput_rps=p.predicted_goodput_rps / 2))
         assert d.rule == "replan" and d.to_type in target and d.from_type in start
-        rank, g, better = rank_of(target, prof, spec, cfg, p.ranking[0].bound_rps)
+        rank, ties, g, better = rank_of(target, prof, spec, cfg, p.ranking[0].bound_rps)
         ranks.append(rank)
+        worst.append(rank + ties)
         lines.append(f"{name:12s} {model:5s} {gpu:4s} chose {p.method:5s} {p.topology:7s} predicted "
-                     f"{p.predicted_goodput_rps:7.2f} held-out {g:7.2f} req/s  rank {rank} {better or ''} "
+                     f"{p.predicted_goodput_rps:7.2f} held-out {g:7.2f} req/s  rank {rank} (+{ties} within 3%) "
+                     f"{better or ''} "
                      f"(plan {planned:.0f} s)")
     mean = sum(ranks) / len(ranks)
-    print("\n" + "\n".join(lines) + f"\nmean rank {mean:.2f} over {len(ranks)} workloads")
+    print("\n" + "\n".join(lines) + f"\nmean rank {mean:.2f} over {len(ranks)} workloads "
+          f"(counting every candidate within one 3% grid step as ahead: {sum(worst) / len(worst):.2f})")
     assert mean <= 1.1
