@@ -124,6 +124,21 @@ def plan(profile: StepProfile, trace: Sequence[TraceRequest], instances: int, si
         simulations=runs + 1, elapsed_s=time.perf_counter() - t0)
 
 
+def evaluate(profile: StepProfile, trace: Sequence[TraceRequest], counts: dict[InstanceType, int], sim: SimConfig,
+             cfg: PlanConfig | None = None) -> float:
+    """Simulated goodput of one deployment on the workload (the current plan, for a Proposal)."""
+    cfg = cfg or PlanConfig()
+    w = stats(trace)
+    costs = stage_costs(profile, w, sim.ttft_slo_s, sim.tbt_slo_s, sim.alpha)
+    n = sum(counts.values())
+    small, scale = _slice(counts, n, cfg.sim_instances, costs)
+    bound = costs.bound(counts)
+    guess = bound / scale if bound not in (0.0, float("inf")) else max(w.rate, 1.0)
+    g = goodput(small, profile, CompiledTrace(trace, profile), sim, guess, target=cfg.target, step=cfg.step,
+                min_duration_s=cfg.min_duration_s)
+    return g.goodput_rps * scale
+
+
 def _confirm(leaders: list[Candidate], profile: StepProfile, trace: Sequence[TraceRequest], sim: SimConfig,
              cfg: PlanConfig, instances: int, costs) -> int:  # type: ignore[no-untyped-def]
     """Leaders often differ by a few percent, less than one trace realization's noise:

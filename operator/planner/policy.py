@@ -77,6 +77,12 @@ class Proposal(BaseModel):
     predicted_goodput_rps: float
     current_goodput_rps: float
 
+    @classmethod
+    def from_plan(cls, result, current_goodput_rps: float) -> Proposal:  # type: ignore[no-untyped-def]
+        """From optimizer.PlanResult and optimizer.evaluate() of the current counts."""
+        return cls(method=result.method, counts={InstanceType(k): v for k, v in result.counts.items()},
+                   predicted_goodput_rps=result.predicted_goodput_rps, current_goodput_rps=current_goodput_rps)
+
 
 class Decision(BaseModel):
     at: float

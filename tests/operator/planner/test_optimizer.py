@@ -19,7 +19,7 @@ from planner_models import LLAVA_15_7B, QWEN2_VL_7B, write_model
 
 from triptych.operator.planner.capacity import METHODS, all_ratios, best_ratios, stage_costs
 from triptych.operator.planner.model_shape import read_shape
-from triptych.operator.planner.optimizer import PlanConfig, plan
+from triptych.operator.planner.optimizer import PlanConfig, evaluate, plan
 from triptych.operator.planner.policy import History, PolicyConfig, Proposal, decide
 from triptych.operator.planner.roofline import roofline_profile
 from triptych.operator.planner.signals import Snapshot
@@ -64,6 +64,22 @@ def test_plan_small_deployment(models: dict[str, Path]) -> None:
     assert [c.goodput_rps for c in simulated] == sorted((c.goodput_rps for c in simulated), reverse=True)
     assert r.searched == 3 + 3 + 3 + 3 + 1  # C(3,2) + 3 x (N-1) + 1
     assert r.predicted_attainment >= 0.9  # 4 req/s is well under the goodput
+
+
+def test_proposal_from_a_plan_and_the_current_goodput(models: dict[str, Path]) -> None:
+    prof = roofline_profile(read_shape(models["qwen"]), "L40S")
+    trace = generate(WorkloadSpec(rate=4, num_requests=200, images_per_request=fixed(3),
+                                  output_tokens=lognormal(20, 0.5, 1, 200)))
+    sim = SimConfig(ttft_slo_s=2, tbt_slo_s=0.1)
+    r = plan(prof, trace, 4, sim, PlanConfig(confirm_replicas=0))
+    current = {T.E: 1, T.P: 1, T.D: 2}
+    g = evaluate(prof, trace, current, sim, PlanConfig())
+    prop = Proposal.from_plan(r, g)
+    assert prop.counts == {T(k): v for k, v in r.counts.items()} and prop.current_goodput_rps == g
+    if r.topology != "1E1P2D":  # a ratio the optimizer simulated beats the current one, or ties it
+        assert r.predicted_goodput_rps >= 0.97 * g
+    d = decide(Snapshot(at=0, source="scrape"), current, History(), PolicyConfig(replan_gain=1.0), prop)
+    assert d.rule == "replan" or "already at the proposal" in d.reason
 
 
 def test_unknown_method_is_refused(models: dict[str, Path]) -> None:
