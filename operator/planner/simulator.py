@@ -351,6 +351,8 @@ def goodput(topology: dict[InstanceType, int], profile: StepProfile, trace: Sequ
     rate rises). One grid for every candidate makes them comparable: equal goodputs mean
     the same grid cell, i.e. equal within `step`. Each run lasts at least `min_duration_s`
     of arrivals (the trace is tiled), long enough for an overload's backlog to show."""
+    if not math.isfinite(guess) or guess <= 0:
+        guess = 1.0  # no analytic bound (e.g. a workload that needs no stage the bound prices)
     cache: dict[int, float] = {}
     compiled = trace if isinstance(trace, CompiledTrace) else CompiledTrace(trace, profile)
 

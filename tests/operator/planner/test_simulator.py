@@ -129,3 +129,9 @@ def test_model_dir_is_read_from_config_json(tmp_path: Path) -> None:
     shape = read_shape(write_model(tmp_path, QWEN2_VL_7B))
     assert (shape.num_layers, shape.hidden_size, shape.num_kv_heads, shape.head_dim) == (28, 3584, 4, 128)
     assert shape.tokens_per_image(448, 448) == 256
+
+
+def test_goodput_without_a_finite_guess_still_searches(q7b: StepProfile) -> None:
+    trace = generate(WorkloadSpec(num_requests=100, images_per_request=fixed(0), output_tokens=fixed(1)))
+    g = goodput({T.EPD: 1}, q7b, trace, SimConfig(ttft_slo_s=2, tbt_slo_s=0.1), float("inf"), min_duration_s=5)
+    assert 0 < g.goodput_rps < float("inf")
