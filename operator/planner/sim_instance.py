@@ -8,7 +8,9 @@ E, EP or P instance stays under alpha * TTFT SLO, of any decoding type under the
 
 Simplifications, each chosen so the model stays fast and on the safe side:
 - a decode reserves KV for its whole prompt plus output when it is admitted (the engine
-  allocates as it goes and preempts with recompute when full); admission waits for room;
+  allocates as it goes and preempts with recompute when full); admission waits for room
+  and for a free seat under max_num_seqs (the engine seats handed-over requests at once;
+  TriInfer Alg. 2 line 9 caps the decode batch the same way);
 - a prompt prefills once all its images are encoded (the engine may prefill the text
   before the first image meanwhile);
 - while an instance runs decodes only, steps that would look alike are taken together up
