@@ -218,11 +218,70 @@ def _add_operator(sub: argparse._SubParsersAction) -> None:
     c.set_defaults(func=_lazy("triptych.operator.crd:cli_main"))
 
 
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    """A synthetic workload (planner/workload.py): Poisson arrivals, lognormal lengths."""
+    p.add_argument("--rate", type=float, default=None, help="requests/s (re-times a --workload trace)")
+    p.add_argument("--num-requests", type=int, default=500)
+    p.add_argument("--images-per-request", type=int, default=1)
+    p.add_argument("--image-size", type=int, nargs=2, default=[448, 448], metavar=("W", "H"))
+    p.add_argument("--prompt-tokens", type=int, default=64, help="median text tokens")
+    p.add_argument("--prompt-sigma", type=float, default=0.0, help="lognormal sigma (0: fixed)")
+    p.add_argument("--output-tokens", type=int, default=64, help="median output tokens")
+    p.add_argument("--output-sigma", type=float, default=0.0, help="lognormal sigma (0: fixed)")
+    p.add_argument("--max-tokens", type=int, default=8192, help="clip sampled lengths here")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_planner_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (only its config.json is read)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", default=None, help="step-time profile JSON (triptych profile)")
+    src.add_argument("--gpu", default=None, choices=("H100", "H200", "A100", "L40S"),
+                     help="roofline stand-in for a measured profile")
+    p.add_argument("--workload", default=None, help="JSON-lines trace (else a synthetic workload)")
+    p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    p.add_argument("--slo-tbt", type=float, default=0.2, help="seconds")
+    p.add_argument("--routing", choices=("round-robin", "least-loaded"), default="round-robin")
+    p.add_argument("--json", action="store_true")
+    _add_workload_args(p)
+
+
+def _add_planner(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("simulate", help="simulate a topology under a workload (discrete-event)")
+    _add_planner_common(s)
+    s.add_argument("--topology", required=True, help="e.g. 1E1P1D, 2EP1D, EPD")
+    s.add_argument("--rates", type=float, nargs="*", default=[], help="run the workload at each rate")
+    s.add_argument("--goodput", action="store_true", help="also search the goodput")
+    s.set_defaults(func=_lazy("triptych.operator.planner.cli:simulate_main"))
+    p = sub.add_parser("plan", help="best hybrid method and instance ratio for N instances (simulated)")
+    _add_planner_common(p)
+    p.add_argument("--instances", type=int, required=True)
+    p.add_argument("--methods", nargs="*", default=None, help="subset of E+P+D EP+D ED+P E+PD EPD")
+    p.add_argument("--keep-per-method", type=int, default=2, help="ratios per method simulated")
+    p.set_defaults(func=_lazy("triptych.operator.planner.cli:plan_main"))
+    w = sub.add_parser("workload", help="write a synthetic JSON-lines workload trace")
+    w.add_argument("--out", required=True)
+    _add_workload_args(w)
+    w.set_defaults(func=_lazy("triptych.operator.planner.cli:workload_main"))
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure step-time tables on this device (for simulate/plan)")
+    p.add_argument("--model", required=True, help="checkpoint directory, or 'tiny'")
+    p.add_argument("--out", required=True, help="profile JSON")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--migration-bytes-per-s", type=float, default=None,
+                   help="measured transfer bandwidth (default: an in-memory copy here)")
+    p.set_defaults(func=_lazy("triptych.worker.step_profile:cli_main"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triptych", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_make_tiny_model, _add_generate, _add_bench, _add_worker, _add_router,
-                _add_serve, _add_operator):
+                _add_serve, _add_operator, _add_planner, _add_profile):
         add(sub)
     return parser
 

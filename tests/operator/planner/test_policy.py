@@ -1,0 +1,225 @@
+"""The policy is a pure function: every rule, bound, cooldown, the hysteresis and dry run,
+over synthetic snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from triptych.operator.api import AutoscalingConfig, InstanceLimits
+from triptych.operator.planner.connectors import RecordingConnector, apply
+from triptych.operator.planner.policy import Decision, History, PolicyConfig, Proposal, decide
+from triptych.operator.planner.signals import Snapshot, StageQueue
+from triptych.topology import InstanceType as T
+
+EPD3 = {T.E: 2, T.P: 2, T.D: 2}
+
+
+def snap(at: float, enc: float = 0, pre: float = 0, dec: float = 0, images: float = 0,
+         counts: dict[T, int] = EPD3) -> Snapshot:
+    serving = {s: sum(n for k, n in counts.items() if any(st.value == s for st in k.stages))
+               for s in ("encode", "prefill", "decode")}
+    return Snapshot(at=at, source="scrape", queues={
+        "encode": StageQueue(requests=enc, images=images, instances=serving["encode"]),
+        "prefill": StageQueue(requests=pre, instances=serving["prefill"]),
+        "decode": StageQueue(requests=dec, instances=serving["decode"])},
+        instances={k.value: n for k, n in counts.items()})
+
+
+def run(snaps: list[Snapshot], counts: dict[T, int], cfg: PolicyConfig,
+        proposal: Proposal | None = None, apply_actions: bool = True) -> tuple[list[Decision], dict[T, int]]:
+    """Drive the policy like the daemon will: decide, record, and (unless dry run) apply."""
+    history, out = History(), []
+    conn = RecordingConnector(counts)
+    for s in snaps:
+        d = decide(s, conn.counts(), history, cfg, proposal)
+        apply(d, conn, conn.roles, conn.counts()) if apply_actions else None
+        history.decisions.append(d)
+        out.append(d)
+    return out, conn.counts()
+
+
+def actions(ds: list[Decision]) -> list[Decision]:
+    return [d for d in ds if d.action != "none"]
+
+
+CFG = PolicyConfig(sustain=3, role_switch_cooldown_s=120, scale_up_cooldown_s=60, scale_down_cooldown_s=300,
+                   max_queue_per_instance=10, encode_up=8, encode_down=1, encoder_scaling=False)
+ENC = CFG.model_copy(update={"encoder_scaling": True, "divergence_on": 10.0})  # reactive off
+
+
+# --- reactive (EPDServe §3.2.4) ----------------------------------------------------------
+def test_reactive_moves_one_instance_from_least_to_most_loaded_after_sustain() -> None:
+    ds, counts = run([snap(t, enc=0, pre=2, dec=14) for t in (0, 10, 20)], EPD3, CFG)
+    assert [d.action for d in ds] == ["none", "none", "switch_role"]
+    assert "held 1/3" in ds[0].reason and "held 2/3" in ds[1].reason
+    d = ds[2]
+    assert (d.rule, d.from_type, d.to_type) == ("reactive", T.E, T.D)
+    assert d.target == {T.E: 1, T.P: 2, T.D: 3} == counts
+    assert "move one E to D" in d.reason
+
+
+def test_reactive_holds_when_every_stage_is_at_least_half_full() -> None:
+    ds, counts = run([snap(t, enc=10, pre=12, dec=19) for t in range(0, 50, 10)], EPD3, CFG)
+    assert not actions(ds) and counts == EPD3
+    assert all("short of capacity, not misbalanced" in d.reason for d in ds)
+
+
+def test_no_flapping_when_the_spread_oscillates_around_the_trigger() -> None:
+    # spread of fills (queue per instance / 10): 0.55 and 0.45 alternate around divergence_on=0.5
+    snaps = [snap(t * 10, enc=0, pre=0, dec=11 if t % 2 == 0 else 9) for t in range(40)]
+    ds, counts = run(snaps, EPD3, CFG.model_copy(update={"divergence_off": 0.25}))
+    acts = actions(ds)
+    # hysteresis keeps the trigger set (0.45 > release 0.25), so it acts once the spread has
+    # held 3 snapshots; after that the cooldown spaces moves 120 s apart, and the queue it
+    # reacts to never changes here, so at most one move per cooldown
+    assert len(acts) <= 400 / 120 + 1
+    gaps = [b.at - a.at for a, b in zip(acts, acts[1:], strict=False)]
+    assert all(g >= 120 for g in gaps)
+
+
+def test_no_action_when_the_trigger_never_holds_long_enough() -> None:
+    # over the trigger every third snapshot, under the release band otherwise
+    snaps = [snap(t * 10, dec=12 if t % 3 == 0 else 2) for t in range(30)]
+    ds, counts = run(snaps, EPD3, CFG)
+    assert not actions(ds) and counts == EPD3
+
+
+def test_role_switch_cooldown_spaces_moves() -> None:
+    ds, _ = run([snap(t, dec=18) for t in range(0, 300, 10)], {T.E: 4, T.P: 2, T.D: 2}, CFG)
+    acts = actions(ds)
+    assert [d.at for d in acts] == [20, 140, 260]
+    assert any("role-switch cooldown: 110 s left" in d.reason for d in ds)
+
+
+def test_role_switching_disabled() -> None:
+    ds, counts = run([snap(t, dec=18) for t in range(0, 60, 10)], EPD3,
+                     CFG.model_copy(update={"role_switching": False}))
+    assert not actions(ds) and counts == EPD3
+    assert "role switching is disabled" in ds[-1].reason
+
+
+def test_min_bound_of_the_source_blocks_the_move() -> None:
+    cfg = CFG.model_copy(update={"limits": {T.E: (2, 4)}})
+    ds, counts = run([snap(t, enc=0, pre=1, dec=18) for t in range(0, 40, 10)], EPD3, cfg)
+    assert not actions(ds) and counts == EPD3
+    assert "E is at its minimum 2" in ds[-1].reason
+
+
+def test_max_bound_of_the_target_blocks_the_move() -> None:
+    cfg = CFG.model_copy(update={"limits": {T.D: (1, 2)}})
+    ds, counts = run([snap(t, enc=0, pre=1, dec=18) for t in range(0, 40, 10)], EPD3, cfg)
+    assert not actions(ds) and counts == EPD3
+    assert "D is at its maximum 2" in ds[-1].reason
+
+
+def test_never_removes_the_last_instance_of_a_stage() -> None:
+    counts = {T.E: 1, T.P: 1, T.D: 1}
+    ds, after = run([snap(t, enc=0, pre=1, dec=9, counts=counts) for t in range(0, 40, 10)], counts, CFG)
+    assert after == counts
+    assert "no instance would run the encode stage" in ds[-1].reason
+
+
+# --- encoder autoscaling -----------------------------------------------------------------
+def test_encoder_scale_up_on_sustained_queueing_then_cooldown_and_max() -> None:
+    cfg = ENC.model_copy(update={"limits": {T.E: (1, 4)}})
+    ds, counts = run([snap(t, images=40, counts={T.E: 2, T.P: 2, T.D: 2}) for t in range(0, 400, 10)],
+                     {T.E: 2, T.P: 2, T.D: 2}, cfg)
+    acts = actions(ds)
+    assert [(d.at, d.delta, d.target[T.E]) for d in acts] == [(20, 1, 3), (80, 1, 4)]
+    assert any("scale-up cooldown" in d.reason for d in ds)
+    assert "E is at its maximum 4" in ds[-1].reason
+    assert counts[T.E] == 4
+
+
+def test_encoder_scale_down_respects_min_and_its_own_cooldown() -> None:
+    cfg = ENC.model_copy(update={"limits": {T.E: (2, 8)}})
+    ds, counts = run([snap(t, images=0) for t in range(0, 1000, 10)], {T.E: 4, T.P: 2, T.D: 2}, cfg)
+    acts = actions(ds)
+    assert [(d.at, d.delta) for d in acts] == [(20, -1), (320, -1)]
+    assert counts[T.E] == 2 and "E is at its minimum 2" in ds[-1].reason
+
+
+def test_encoder_holds_inside_the_band() -> None:
+    ds, counts = run([snap(t, images=8) for t in range(0, 100, 10)], {T.E: 2, T.P: 2, T.D: 2},
+                     ENC)
+    assert not actions(ds) and "within [1.0, 8.0]" in ds[-1].reason  # 4 per E
+
+
+# --- replan (TriInfer Alg. 2) ------------------------------------------------------------
+def test_replan_moves_one_switch_at_a_time_toward_the_proposal() -> None:
+    prop = Proposal(method="EP+D", counts={T.EP: 5, T.D: 3}, predicted_goodput_rps=12.0, current_goodput_rps=8.0)
+    ds, counts = run([snap(t) for t in range(0, 2000, 60)], {T.E: 2, T.P: 3, T.D: 3},
+                     CFG.model_copy(update={"role_switch_cooldown_s": 120}), prop)
+    acts = actions(ds)
+    assert all(d.rule == "replan" and d.action == "switch_role" for d in acts)
+    assert all(b.at - a.at >= 120 for a, b in zip(acts, acts[1:], strict=False))
+    assert counts == {T.EP: 5, T.D: 3}
+    assert len(acts) == 5  # 2 E + 3 P become EP
+    assert "already at the proposal 5EP3D" in ds[-1].reason
+
+
+def test_replan_below_the_gain_threshold_does_nothing() -> None:
+    prop = Proposal(method="EP+D", counts={T.EP: 5, T.D: 3}, predicted_goodput_rps=10.5, current_goodput_rps=10.0)
+    ds, counts = run([snap(t) for t in range(0, 600, 60)], {T.E: 2, T.P: 3, T.D: 3}, CFG, prop)
+    assert not actions(ds) and counts == {T.E: 2, T.P: 3, T.D: 3}
+    assert "1.05x" in ds[-1].reason and "under the 1.10x threshold" in ds[-1].reason
+
+
+def test_replan_never_changes_the_instance_count() -> None:
+    prop = Proposal(method="EPD", counts={T.EPD: 9}, predicted_goodput_rps=99, current_goodput_rps=1)
+    ds, _ = run([snap(0)], EPD3, CFG, prop)
+    assert not actions(ds) and "different instance count" in ds[0].reason
+
+
+# --- dry run, reasons --------------------------------------------------------------------
+def test_dry_run_records_every_decision_and_changes_nothing() -> None:
+    cfg = CFG.model_copy(update={"dry_run": True})
+    history, conn = History(), RecordingConnector(EPD3)
+    for t in range(0, 300, 10):
+        d = decide(snap(t, dec=18), conn.counts(), history, cfg)
+        apply(d, conn, conn.roles, conn.counts())
+        history.decisions.append(d)
+    assert conn.calls == [] and conn.counts() == EPD3
+    assert len(conn.decisions) == 30 and all(d.dry_run for d in conn.decisions)
+    # the would-be actions are recorded and pace themselves by the same cooldown
+    assert [d.at for d in conn.decisions if d.action == "switch_role"] == [20, 140, 260]
+
+
+def test_applied_switch_calls_the_connector() -> None:
+    history, conn = History(), RecordingConnector(EPD3)
+    for t in (0, 10, 20):
+        d = decide(snap(t, dec=18), conn.counts(), history, CFG)
+        apply(d, conn, conn.roles, conn.counts())
+        history.decisions.append(d)
+    assert [(c.method, c.args) for c in conn.calls] == [("switch_role", ["e-1", "D"])]
+
+
+@pytest.mark.parametrize("s", [snap(0), snap(0, enc=3, pre=3, dec=3), snap(0, images=100)])
+def test_every_decision_has_a_reason(s: Snapshot) -> None:
+    d = decide(s, EPD3, History(), CFG)
+    assert d.reason and d.at == 0
+
+
+def test_config_from_the_crd() -> None:
+    auto = AutoscalingConfig(enabled=True, prometheus_url="http://prom:9090", limits={T.E: InstanceLimits(min=1, max=5)},
+                             scale_up_cooldown_seconds=30, scale_down_cooldown_seconds=600,
+                             role_switch_cooldown_seconds=90, role_switching=False)
+    cfg = PolicyConfig.from_crd(auto, dry_run=True)
+    assert (cfg.scale_up_cooldown_s, cfg.scale_down_cooldown_s, cfg.role_switch_cooldown_s) == (30, 600, 90)
+    assert cfg.limits == {T.E: (1, 5)} and cfg.dry_run and not cfg.role_switching
+
+
+def test_no_reversal_when_queues_oscillate_between_two_stages() -> None:
+    # the bottleneck alternates P <-> D every snapshot: a flapping policy would move an
+    # instance there and back; a move must be wanted in the same direction 3 times in a row
+    snaps = [snap(t * 10, pre=18 if t % 2 else 0, dec=0 if t % 2 else 18) for t in range(60)]
+    ds, counts = run(snaps, EPD3, CFG.model_copy(update={"divergence_off": 0.6}))
+    assert not actions(ds) and counts == EPD3
+    assert "held 1/3" in ds[-1].reason
+
+
+def test_encoder_does_not_flap_around_its_threshold() -> None:
+    snaps = [snap(t * 10, images=16.2 if t % 2 else 15.8) for t in range(60)]  # 8.1 / 7.9 per E
+    ds, counts = run(snaps, {T.E: 2, T.P: 2, T.D: 2}, ENC)
+    assert not actions(ds) and counts[T.E] == 2
+    assert any("held 1/3" in d.reason for d in ds)

@@ -1,0 +1,120 @@
+"""`triptych profile`: measure the step-time tables the planner simulates with, on this
+device, through the engine's public API only (Engine, measure_encode, measure_prefill,
+add_request/step). The output is operator/planner/profile.py's StepProfile as JSON.
+
+Tables: encode by images and pixels (measure_encode), prefill by tokens (measure_prefill),
+decode by batch size and context length (B requests with a C-token prompt are prefilled,
+then the median of several pure decode steps is taken), migration by bytes (a copy of a
+buffer of that size in this process's memory: the lower bound of a pull on one machine;
+pass --migration-bytes-per-s for a measured NIXL figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+
+from triptych.operator.planner.model_shape import read_shape
+from triptych.operator.planner.profile import DecodeRow, EncodeRow, Migration, Point, StepProfile
+from triptych.sampling_params import SamplingParams
+from triptych.topology import InstanceType
+from triptych.worker.engine.engine import Engine, EngineConfig, make_request
+
+log = logging.getLogger("triptych.profile")
+
+
+def measure_decode(engine: Engine, batch: int, context: int, steps: int = 5) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    vocab = engine.spec.vocab_size
+    ids = [f"profile-{batch}-{context}-{i}-{time.monotonic_ns()}" for i in range(batch)]
+    for n, rid in enumerate(ids):
+        prompt = [(7 * n + 3 * j) % (vocab - 1) + 1 for j in range(max(1, context))]
+        engine.add_request(make_request(rid, prompt, params))
+    try:
+        deadline = time.monotonic() + 600
+        while not all((r := engine.get_request(rid)) is not None and r.prefill_done for rid in ids):
+            if time.monotonic() > deadline:
+                raise TimeoutError("prefill of the decode batch did not finish")
+            engine.step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+        engine.step()
+
+
+def monotone(points: list[Point]) -> list[Point]:
+    """Step time does not fall as the batch grows (TriInfer Fig. 3): a point measured under
+    its predecessor is noise from a shared machine; lift it to the running maximum."""
+    out, top = [], 0.0
+    for p in sorted(points, key=lambda p: p.x):
+        top = max(top, p.seconds)
+        out.append(Point(x=p.x, seconds=top))
+    return out
+
+
+def measure_copy(nbytes: int, repeats: int = 3) -> float:
+    src = torch.empty(max(1, nbytes), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile_engine(model: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
+                   pixels: Sequence[int] = (64, 224, 448), images: Sequence[int] = (1, 2, 4),
+                   tokens: Sequence[int] = (16, 64, 256, 1024), batches: Sequence[int] = (1, 4, 16),
+                   contexts: Sequence[int] = (32, 256, 1024), migration_bytes_per_s: float | None = None,
+                   max_num_seqs: int = 64) -> StepProfile:
+    engine = Engine(EngineConfig(model=model, role=InstanceType.EPD, device=device, dtype=dtype, threads=threads,
+                                 token_budget=max(tokens), image_budget=max(images), detokenize=False,
+                                 max_num_seqs=max(max_num_seqs, max(batches))))
+    max_len = engine.max_model_len
+    engine.measure_prefill(min(tokens))  # warm-up: first calls pay for allocations and kernel selection
+    engine.measure_encode(1, (pixels[0], pixels[0]))
+    encode = [EncodeRow(pixels=side * side, points=monotone(
+        [Point(x=n, seconds=engine.measure_encode(n, (side, side), repeats=5)) for n in images]))
+        for side in pixels]
+    prefill = monotone([Point(x=n, seconds=engine.measure_prefill(n, repeats=5)) for n in tokens if n < max_len])
+    decode = [DecodeRow(context=c, points=monotone([Point(x=b, seconds=measure_decode(engine, b, c))
+                                                    for b in batches]))
+              for c in contexts if c + 16 < max_len]
+    if migration_bytes_per_s is None:
+        size = 64 << 20
+        migration_bytes_per_s = size / measure_copy(size)
+    kv = engine.kv
+    dtype_bytes = torch.empty(0, dtype=engine.config.torch_dtype).element_size()
+    return StepProfile(
+        source=f"measured:{device}", shape=read_shape(model), dtype_bytes=dtype_bytes, encode=encode,
+        prefill=prefill, decode=decode, migration=Migration(bytes_per_s=migration_bytes_per_s),
+        kv_capacity_tokens=kv.num_blocks * kv.block_size if kv is not None else 1, max_num_seqs=max_num_seqs)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model = args.model
+    if model == "tiny":
+        from triptych.tiny_model import tiny_model_path
+
+        model = str(tiny_model_path("qwen2-vl"))
+    prof = profile_engine(model, device=args.device, dtype=args.dtype, threads=args.threads,
+                          migration_bytes_per_s=args.migration_bytes_per_s)
+    prof.save(args.out)
+    print(json.dumps({"out": args.out, "source": prof.source, "prefill_points": len(prof.prefill),
+                      "decode_rows": len(prof.decode), "encode_rows": len(prof.encode),
+                      "kv_capacity_tokens": prof.kv_capacity_tokens}))
+    return 0
