@@ -64,6 +64,10 @@ class ModelRunner:
     # --- language model -------------------------------------------------------------------
     def run_language(self, chunks: list[Chunk]) -> Sampled:
         """One forward over all chunks; samples the chunks that end their sequence."""
+        return self.sample(chunks, self.forward(chunks))
+
+    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Hidden states `[T, H]` of the chunks' tokens (batch order); writes their KV."""
         assert self.language is not None and self.kv is not None
         token_ids = torch.tensor(batch_token_ids(chunks), dtype=torch.long, device=self.device)
         embeds = self.language.embed(token_ids)
@@ -72,7 +76,11 @@ class ModelRunner:
         positions = chunk_positions(chunks, self.spec.uses_mrope).to(self.device)
         meta = build_metadata([c.num_tokens for c in chunks], [c.end for c in chunks],
                               [c.req.block_ids for c in chunks], self.kv.block_size, self.device)
-        hidden = self.language(embeds, positions, self.kv.tensor, meta)
+        return self.language(embeds, positions, self.kv.tensor, meta)
+
+    def sample(self, chunks: list[Chunk], hidden: torch.Tensor) -> Sampled:
+        """A token for each chunk that ends its sequence, from its last row of `hidden`."""
+        assert self.language is not None
         rows, sampling = sample_rows(chunks)
         if not rows:
             return {}
