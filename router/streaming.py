@@ -9,7 +9,8 @@ multi-byte character split across tokens is held back until complete, so the cli
 never sees a broken UTF-8 fragment.
 
 Stop strings: the backend is asked to stop on them too, but the router is what trims
-them from the text, and it holds back any tail that could still grow into a stop string.
+them from the text, and it holds back any tail that could still grow into a stop string
+(`triptych.stop_strings`, shared with the worker's engine).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from triptych.router.backend import BackendError
 from triptych.router.errors import OpenAIError, from_backend
 from triptych.router.metrics import FrontendMetrics, RequestTimer
 from triptych.router.protocol import ChatCompletionResponse, CompletionResponse
+from triptych.stop_strings import StopMatcher
 
 log = logging.getLogger("triptych.router.streaming")
 
@@ -53,58 +55,31 @@ class OutputText:
     """The text of one completion: detokenized, cut at the first stop string.
 
     `add` and `finish` return what may be sent to the client now; after a stop string is
-    seen `stopped` is True and the caller ends the request (finish_reason 'stop')."""
+    seen `stopped` is True and the caller ends the request (finish_reason 'stop'). The
+    stop-string search and hold-back are `triptych.stop_strings.StopMatcher`'s, the same
+    as the worker's engine."""
 
     def __init__(self, detokenizer: Detokenizer, stop: Sequence[str] = ()) -> None:
         self._detok = detokenizer
         self.num_tokens = 0
-        self._stops = [s for s in stop if s]
-        self._longest = max((len(s) for s in self._stops), default=0)
-        self.text = ""
-        self._sent = 0
-        self.stopped = False
+        self._matcher = StopMatcher(stop)
+
+    @property
+    def stopped(self) -> bool:
+        return self._matcher.stopped
 
     def add(self, token_ids: Sequence[int]) -> str:
         if self.stopped:
             return ""
         self.num_tokens += len(token_ids)
-        if token_ids:
-            self._append(self._detok.add(list(token_ids)))
-        return self._take(final=False)
+        if not token_ids:
+            return ""
+        return self._matcher.add(self._detok.add(list(token_ids)))
 
     def finish(self) -> str:
-        if not self.stopped:
-            self._append(self._detok.flush())
-        return self._take(final=True)
-
-    def _append(self, piece: str) -> None:
-        if not piece:
-            return
-        # A stop string can straddle the old end: search from where it could start.
-        start = max(0, len(self.text) - self._longest + 1)
-        self.text += piece
-        cut = self._find_stop(start)
-        if cut is not None:
-            self.text = self.text[:cut]
-            self.stopped = True
-
-    def _find_stop(self, start: int) -> int | None:
-        hits = [i for i in (self.text.find(s, start) for s in self._stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _take(self, final: bool) -> str:
-        end = len(self.text) if (final or self.stopped) else len(self.text) - self._held_back()
-        end = max(end, self._sent)
-        piece, self._sent = self.text[self._sent:end], end
-        return piece
-
-    def _held_back(self) -> int:
-        """Length of the longest tail that is a proper prefix of some stop string."""
-        for k in range(min(self._longest - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self._stops):
-                return k
-        return 0
+        if self.stopped:
+            return ""
+        return self._matcher.add(self._detok.flush()) + self._matcher.flush()
 
 
 class EventPump:

@@ -583,7 +583,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: a few tokens of context for spacing rules
         self._read_offset = 0  # tokens up to here are already emitted
-        self.text = ""  # everything emitted so far
+        self._emitted: list[str] = []  # joined only when `text` is read: O(1) per token
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
@@ -598,7 +598,7 @@ class IncrementalDetokenizer:
         delta = full[len(prefix):]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self.text += delta
+        self._emitted.append(delta)
         return delta
 
     def flush(self) -> str:
@@ -608,5 +608,10 @@ class IncrementalDetokenizer:
         full = self._decode(self._ids[self._prefix_offset:])
         delta = full[len(prefix):] if full.startswith(prefix) else ""
         self._prefix_offset = self._read_offset = len(self._ids)
-        self.text += delta
+        self._emitted.append(delta)
         return delta
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._emitted)

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from triptych import processor
 from triptych.sampling_params import SamplingParams
+from triptych.stop_strings import StopMatcher
 from triptych.topology import Stage
 
 if TYPE_CHECKING:
@@ -186,11 +187,14 @@ class Request:
     recomputable: bool = field(default=True, init=False)
     handoff: Handoff | None = field(default=None, init=False)  # set when PARKED
     num_preemptions: int = field(default=0, init=False)
-    # detokenizer and stop-string state (see engine._append_token)
-    text: str = field(default="", init=False)
-    sent_text_len: int = field(default=0, init=False)
+    # text state (see outputs.py): detokenized as tokens come when `detok` is set (stop
+    # strings, or streamed text), else decoded from the token ids when `text` is read
+    text_parts: list[str] = field(default_factory=list, init=False)
+    sent_text_len: int = field(default=0, init=False)  # parts already in an output
     sent_token_len: int = field(default=0, init=False)
     detok: processor.IncrementalDetokenizer | None = field(default=None, init=False)
+    stop_matcher: StopMatcher | None = field(default=None, init=False)
+    decode_text: Callable[[list[int]], str] | None = field(default=None, init=False)
     logprobs: list[dict[str, Any]] = field(default_factory=list, init=False)
     sent_logprobs_len: int = field(default=0, init=False)
 
@@ -205,6 +209,14 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def text(self) -> str:
+        """The generated text (cut at a stop string). Streamed requests hold back a tail
+        that could still start a stop string until they finish."""
+        if self.detok is not None:
+            return "".join(self.text_parts)
+        return self.decode_text(self.output_token_ids) if self.decode_text is not None else ""
 
     @property
     def num_tokens(self) -> int:

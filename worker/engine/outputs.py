@@ -1,0 +1,158 @@
+"""Output processing: what a step's sampled tokens do to their requests.
+
+After the forward, each sampled token is appended to its request, which then stops (a
+stop token or EOS, its length, or a stop string; `triptych.stop_strings`), hands off
+(prefill-only requests park with their KV blocks, encode-only ones with their
+embeddings; HydraInfer §4.3), or goes on decoding. Each change becomes a
+`RequestOutput` delta for the request's stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from triptych.topology import Stage
+from triptych.worker.engine.mm_cache import MMEntry
+from triptych.worker.engine.model_runner import Sampled
+from triptych.worker.engine.request import FinishReason, Handoff, Request, RequestOutput, RequestStatus
+from triptych.worker.engine.scheduler import ScheduledBatch, Scheduler, update_status
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, requests: dict[str, Request], in_use: set[str],
+                 eos_ids: Iterable[int], max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.eos_ids = frozenset(eos_ids)
+        self.max_model_len = max_model_len
+        self._requests = requests  # the engine's: requests in the loop, by id
+        self._in_use = in_use  # the engine's: request ids added and not finished
+
+    def process(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
+        """Advance every request of `batch` past what the step computed."""
+        outputs = []
+        now = time.monotonic()
+        counters = self.scheduler.counters
+        num_decodes = 0
+        for req, _ in batch.encodes:
+            update_status(req, running=True)
+        for c in batch.chunks:
+            req = c.req
+            if req.is_finished:
+                continue
+            if req.prefill_done:
+                num_decodes += 1
+            else:
+                counters.prefill_chunks += 1
+                counters.prefill_tokens += c.num_tokens
+            req.num_computed_tokens = c.end
+            self.scheduler.release_passed_mm(req)
+            got = sampled.get(id(req))
+            if got is None:
+                update_status(req, running=True)
+                continue
+            if not req.prefill_done:
+                req.prefill_done = True
+                req.timings.prefill_end = now
+                req.status = RequestStatus.DECODING
+            out = self.append_token(req, got[0], got[1], now)
+            if out is not None:
+                outputs.append(out)
+        if num_decodes:
+            counters.decode_steps += 1
+            counters.decode_tokens += num_decodes
+        return outputs
+
+    def append_token(self, req: Request, token: int, logprob: dict | None, now: float) -> RequestOutput | None:
+        req.output_token_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        req.timings.token_times.append(now)
+        if req.timings.first_token is None:
+            req.timings.first_token = now
+        params = req.params
+        reason: FinishReason | None = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+            reason = FinishReason.STOP
+        elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        # Stop strings are not looked for in the text of a stop token or EOS.
+        if self._add_text(req, token, last=reason is not None, check=reason != FinishReason.STOP):
+            reason = FinishReason.STOP
+        if reason is not None:
+            return self.finish(req, reason)
+        if Stage.DECODE not in req.stages:
+            # Prefill-only: hand the KV blocks (and token 1) to a D instance; keep them until release.
+            handoff = Handoff(Stage.PREFILL, kv_block_ids=list(req.block_ids),
+                              num_kv_tokens=req.num_computed_tokens, first_token=token)
+            self.scheduler.park(req)
+            req.handoff = handoff
+            return self.output(req, finished=True, handoff=handoff)
+        return self.output(req)
+
+    def enter_decode(self, req: Request) -> None:
+        """A request whose prompt KV was filled elsewhere starts at its first token."""
+        pre = req.prefilled
+        assert pre is not None
+        req.block_ids = list(pre.block_ids)
+        req.num_computed_tokens = pre.num_tokens
+        req.output_token_ids = [pre.first_token]
+        req.prefill_done = True
+        # Embeddings this engine never had: a recompute could not rebuild the prompt.
+        req.recomputable = not req.mm_items
+        # The instance that sampled it checked its text for stop strings already.
+        self._add_text(req, pre.first_token, last=False, check=False)
+
+    def park_encoded(self, outputs: list[RequestOutput]) -> None:
+        """Encode-only requests whose embeddings are all ready hand off (HydraInfer §4.3)."""
+        for req in [r for r in self.scheduler.running if r.stop_after == Stage.ENCODE]:
+            if all(e is not None and e.ready for e in req.mm_entries):
+                seen: dict[str, MMEntry] = {e.content_hash: e for e in req.mm_entries if e is not None}
+                handoff = Handoff(Stage.ENCODE, mm=[(h, list(e.block_ids), e.num_rows) for h, e in seen.items()])
+                self.scheduler.park(req)
+                req.handoff = handoff
+                req.timings.encode_end = req.timings.encode_end or time.monotonic()
+                outputs.append(self.output(req, [], finished=True, handoff=handoff))
+
+    def finish(self, req: Request, reason: FinishReason | None, error: str | None = None) -> RequestOutput:
+        """End a request wherever it is: out of every queue, every block freed."""
+        self.scheduler.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.error = error
+        req.timings.finished = time.monotonic()
+        self._requests.pop(req.request_id, None)
+        self._in_use.discard(req.request_id)
+        return self.output(req, finished=True)
+
+    def output(self, req: Request, new_ids: list[int] | None = None, *, finished: bool = False,
+               handoff: Handoff | None = None) -> RequestOutput:
+        """The delta since the request's last output."""
+        if new_ids is None:
+            new_ids = req.output_token_ids[req.sent_token_len:]
+        req.sent_token_len = len(req.output_token_ids)
+        if finished and req.stop_matcher is not None:
+            req.text_parts.append(req.stop_matcher.flush())  # the tail held back for a stop string
+        new_text = "".join(req.text_parts[req.sent_text_len:])
+        req.sent_text_len = len(req.text_parts)
+        lps = req.logprobs[req.sent_logprobs_len:] if req.params.logprobs else None
+        req.sent_logprobs_len = len(req.logprobs)
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=list(new_ids), new_text=new_text, finished=finished,
+            finish_reason=req.finish_reason, error=req.error, handoff=handoff, logprobs=lps,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(req.output_token_ids),
+            timings=req.timings.as_dict() if finished else None)
+
+    @staticmethod
+    def _add_text(req: Request, token: int, *, last: bool, check: bool) -> bool:
+        """Detokenize `token` if the request streams text; True when a stop string ends it.
+        Only requests with stop strings (or an engine set to stream text) pay for this."""
+        if req.detok is None:
+            return False
+        piece = req.detok.add(token)
+        if last:
+            piece += req.detok.flush()
+        if req.stop_matcher is not None:
+            piece = req.stop_matcher.add(piece, check=check)
+        req.text_parts.append(piece)
+        return req.stop_matcher is not None and req.stop_matcher.stopped
