@@ -22,6 +22,11 @@ TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:  # lets tests `import hf_reference`
     sys.path.insert(0, str(TESTS_DIR))
 
+from routerkit import ScriptedBackend, reply_events  # noqa: E402
+
+from triptych.processor import MultimodalProcessor  # noqa: E402
+from triptych.router.config import RouterConfig  # noqa: E402
+
 _GENERATOR_HASH = hashlib.sha256(Path(_tiny_model.__file__).read_bytes()).hexdigest()[:12]
 os.environ.setdefault("TRIPTYCH_CACHE", str(Path(tempfile.gettempdir()) / f"triptych-test-{_GENERATOR_HASH}"))
 
@@ -65,3 +70,20 @@ def llava_dir() -> Path:
 def tiny_model_dir(request: pytest.FixtureRequest) -> Path:
     """Parametrized over every family: a test using it runs once per family."""
     return tiny_dir(request.param)
+
+
+# -- the router's HTTP layer over a scripted backend (router and bench tests) -------------
+
+@pytest.fixture(scope="session")
+def processor(qwen2_vl_dir: Path) -> MultimodalProcessor:
+    return MultimodalProcessor.from_pretrained(qwen2_vl_dir)
+
+
+@pytest.fixture
+def backend(processor: MultimodalProcessor) -> ScriptedBackend:
+    return ScriptedBackend(script=lambda req: reply_events(processor))
+
+
+@pytest.fixture
+def config(qwen2_vl_dir: Path) -> RouterConfig:
+    return RouterConfig(model=qwen2_vl_dir, served_model_name="tiny-qwen", max_model_len=512)

@@ -1,33 +1,18 @@
-"""Fixtures for the router's HTTP-layer tests: the real processor over the tiny Qwen2-VL
-checkpoint, a scripted backend, and an app behind httpx's ASGI transport."""
+"""Fixtures for the router's HTTP-layer tests: an app behind httpx's ASGI transport (the
+processor, scripted backend and config fixtures are in tests/conftest.py, shared with the
+benchmark's tests)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import httpx
 import pytest
-from routerkit import ScriptedBackend, reply_events
+from routerkit import ScriptedBackend
 
 from triptych.processor import MultimodalProcessor
 from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
-
-
-@pytest.fixture(scope="session")
-def processor(qwen2_vl_dir: Path) -> MultimodalProcessor:
-    return MultimodalProcessor.from_pretrained(qwen2_vl_dir)
-
-
-@pytest.fixture
-def backend(processor: MultimodalProcessor) -> ScriptedBackend:
-    return ScriptedBackend(script=lambda req: reply_events(processor))
-
-
-@pytest.fixture
-def config(qwen2_vl_dir: Path) -> RouterConfig:
-    return RouterConfig(model=qwen2_vl_dir, served_model_name="tiny-qwen", max_model_len=512)
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from routerkit import (
     image_part,
     metric_value,
     parse_sse,
-    png_bytes,
     reply_events,
+    solid_png,
 )
 
 from triptych.router.backend import TokenEvent
@@ -96,7 +96,7 @@ async def test_streaming_include_usage(client, backend, processor) -> None:
 
 
 async def test_images_system_prompt_and_several_messages(client, backend, processor) -> None:
-    red, blue = png_bytes(64, 48, (255, 0, 0)), png_bytes(28, 56, (0, 0, 255))
+    red, blue = solid_png(64, 48, (255, 0, 0)), solid_png(28, 56, (0, 0, 255))
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
         {"role": "user", "content": [{"type": "text", "text": "Compare"}, image_part(red),

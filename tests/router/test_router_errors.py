@@ -18,8 +18,8 @@ from routerkit import (
     image_part,
     metric_value,
     parse_sse,
-    png_bytes,
     reply_events,
+    solid_png,
 )
 
 from triptych.router.backend import BackendError, TokenEvent
@@ -139,13 +139,13 @@ async def test_too_many_images(config, make_client, backend) -> None:
 
 async def test_pixel_limit_from_config(config, make_client, backend) -> None:
     async with make_client(config.model_copy(update={"max_image_pixels": 1000}), backend) as client:
-        r = await client.post(CHAT, json=with_parts(image_part(png_bytes(40, 40))))
+        r = await client.post(CHAT, json=with_parts(image_part(solid_png(40, 40))))
     assert_openai_error(r, 400, param=IMG, code="image_too_large", contains="1000")
 
 
 async def test_image_byte_limit(config, make_client, backend) -> None:
     async with make_client(config.model_copy(update={"max_image_bytes": 100}), backend) as client:
-        r = await client.post(CHAT, json=with_parts(image_part(png_bytes(64, 64) + b"\0" * 200)))
+        r = await client.post(CHAT, json=with_parts(image_part(solid_png(64, 64) + b"\0" * 200)))
     assert_openai_error(r, 400, param=IMG, code="image_too_large")
 
 

@@ -12,13 +12,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from routerkit import ScriptedBackend, chat_body, image_part, png_bytes, reply_events
+from routerkit import ScriptedBackend, chat_body, image_part, reply_events, solid_png
 
 from triptych.router.config import RouterConfig
 from triptych.router.errors import InvalidRequestError
 from triptych.router.images import FetchBudget, ImageLoader, ImageRef, decode_data_url, host_allowed
 
-PNG = png_bytes(40, 30)
+PNG = solid_png(40, 30)
 
 
 def ref(url: str) -> ImageRef:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from routerkit import REPLY, ScriptedBackend, data_url, png_bytes, reply_events
+from routerkit import REPLY, ScriptedBackend, data_url, reply_events, solid_png
 
 from triptych.router.api import create_app
 from triptych.router.backend import BackendError
@@ -24,7 +24,7 @@ async def test_openai_client_chat_and_stream(config, processor) -> None:
     client = client_for(config.model_copy(update={"api_keys": ["k1"]}), backend, processor)
     messages = [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
-        {"type": "image_url", "image_url": {"url": data_url(png_bytes()), "detail": "high"}}]}]
+        {"type": "image_url", "image_url": {"url": data_url(solid_png()), "detail": "high"}}]}]
     resp = await client.chat.completions.create(model="tiny-qwen", messages=messages, max_tokens=20, seed=1)
     assert resp.choices[0].message.content == REPLY and resp.choices[0].finish_reason == "stop"
     assert resp.usage.completion_tokens == len(processor.encode(REPLY)) + 1

@@ -4,7 +4,7 @@ tokenizes to exactly the prompt the completion runs), errors, and API-key protec
 from __future__ import annotations
 
 from hf_reference import hf_prompt_ids, make_test_image
-from routerkit import image_part, png_bytes
+from routerkit import image_part, solid_png
 
 from triptych.version import __version__
 
@@ -21,7 +21,7 @@ async def test_tokenize_prompt_and_detokenize(client, processor) -> None:
 
 async def test_tokenize_chat_with_an_image_matches_the_completion_prompt(client, backend, qwen2_vl_dir) -> None:
     image = make_test_image(3, 56, 84)
-    messages = [{"role": "user", "content": [image_part(png_bytes(56, 84)), {"type": "text", "text": "What?"}]}]
+    messages = [{"role": "user", "content": [image_part(solid_png(56, 84)), {"type": "text", "text": "What?"}]}]
     r = await client.post("/tokenize", json={"model": "tiny-qwen", "messages": messages})
     assert r.status_code == 200
     await client.post("/v1/chat/completions", json={"model": "tiny-qwen", "messages": messages, "max_tokens": 2})

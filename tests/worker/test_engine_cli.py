@@ -5,19 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from hf_reference import hf_generate, make_test_image
 
 from triptych.cli import main
 from triptych.processor import MultimodalProcessor
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/worker/conftest.py
 
 
 def test_generate_tiny_text_only(capsys: pytest.CaptureFixture[str], qwen2_vl_dir: Path) -> None:

@@ -33,14 +33,7 @@ from triptych.worker.engine import (
 from triptych.worker.engine.profiler import latency_limit
 from triptych.worker.models.spec import UnsupportedCheckpointError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # See test_engine_parity.py: tiny models on a loaded 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/worker/conftest.py
 
 
 def _engine(model_dir: Path, role: InstanceType = InstanceType.EPD, **kw) -> Engine:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hf_reference import png_bytes
 from PIL import Image
 
 from triptych.processor import MultimodalProcessor
@@ -75,10 +75,9 @@ def reply_events(processor: MultimodalProcessor, text: str = REPLY, per_event: i
     return events
 
 
-def png_bytes(width: int = 32, height: int = 24, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (width, height), color).save(buf, format="PNG")
-    return buf.getvalue()
+def solid_png(width: int = 32, height: int = 24, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    """PNG bytes of a one-colour image (hf_reference.png_bytes encodes any PIL image)."""
+    return png_bytes(Image.new("RGB", (width, height), color))
 
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:
@@ -86,7 +85,7 @@ def data_url(data: bytes, media_type: str = "image/png") -> str:
 
 
 def image_part(data: bytes | None = None, url: str | None = None) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": url or data_url(data or png_bytes())}}
+    return {"type": "image_url", "image_url": {"url": url or data_url(data or solid_png())}}
 
 
 def parse_sse(body: str) -> list[Any]:

@@ -10,7 +10,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-import torch
 from engine_cases import make_cases, processor, to_request
 from hf_reference import hf_generate
 
@@ -22,14 +21,7 @@ MAX_TOKENS = 10
 CASES = make_cases(8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a loaded 2-core CI machine
-    # OpenMP spin-waits make them 10-30x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/worker/conftest.py
 
 
 @lru_cache(maxsize=4)
