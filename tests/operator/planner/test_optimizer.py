@@ -132,9 +132,15 @@ WORKLOADS = [
 ]
 
 
+# The held-out judge: a different seed and a longer trace than the 400 requests the policy
+# planned on (sized to keep this test to a couple of minutes on 2 cores).
+HELD_OUT = 600
+HELD_OUT_S = 20
+
+
 def passing(prof, held_out: CompiledTrace, cfg: SimConfig, rate: float, skip: dict[T, int]) -> list[str]:  # type: ignore[no-untyped-def]
     """Candidates that meet 90% attainment (sustained) at `rate` on the held-out trace."""
-    run = held_out.at(rate, max(1000, int(rate * 30)))
+    run = held_out.at(rate, max(HELD_OUT, int(rate * HELD_OUT_S)))
     out = []
     for m in METHODS:
         for c in all_ratios(m, 8):
@@ -148,8 +154,8 @@ def passing(prof, held_out: CompiledTrace, cfg: SimConfig, rate: float, skip: di
 def rank_of(chosen: dict[T, int], prof, spec: WorkloadSpec, cfg: SimConfig,  # type: ignore[no-untyped-def]
             guess: float) -> tuple[int, int, float, list[str]]:
     """(rank, candidates tied within one grid step, held-out goodput, the better ones)."""
-    held_out = CompiledTrace(generate(spec.model_copy(update={"num_requests": 1000}), seed=2), prof)
-    g = goodput(chosen, prof, held_out, cfg, guess, step=STEP, min_duration_s=30).goodput_rps
+    held_out = CompiledTrace(generate(spec.model_copy(update={"num_requests": HELD_OUT}), seed=2), prof)
+    g = goodput(chosen, prof, held_out, cfg, guess, step=STEP, min_duration_s=HELD_OUT_S).goodput_rps
     better = passing(prof, held_out, cfg, g * STEP, chosen)
     ties = len(passing(prof, held_out, cfg, g, chosen)) - len(better)
     return 1 + len(better), ties, g, better
