@@ -15,6 +15,17 @@ from triptych.topology import ROLE_CHOICES
 FAMILIES = ("qwen2-vl", "qwen2.5-vl", "llava")
 
 
+def _cpus(text: str) -> float:
+    """A CPU share: a positive number of CPUs (0.5 = half a core)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of CPUs, got {text}")
+    return value
+
+
 def _lazy(target: str) -> Callable[[argparse.Namespace], int | None]:
     module_name, func_name = target.split(":")
 
@@ -180,6 +191,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", default=None, help="the router's API keys, one per line (or TRIPTYCH_API_KEY)")
     p.add_argument("--allow-no-api-key", action="store_true",
                    help="serve a non-loopback --host without API keys (refused by default)")
+    p.add_argument("--instance-cpus", type=_cpus, default=None, metavar="X",
+                   help="cap every instance at X CPUs (its own cgroup, ceil(X) torch threads); "
+                        "without root or a cpu controller it says so and runs uncapped")
     p.set_defaults(func=_lazy("triptych.local:cli_main"))
 
 
