@@ -100,7 +100,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--log-dir", default=None, help="with --topologies: process logs go here")
     s.add_argument("--idle-seconds", type=float, default=3.0,
                    help="with --topologies: measure idle CPU this long before the load (0: skip)")
+    s.add_argument("--instance-cpus", type=_cpus, default=None, metavar="X",
+                   help="with --topologies: cap every instance at X CPUs (cgroup quota)")
+    s.add_argument("--total-cpus", type=_cpus, default=None, metavar="T",
+                   help="with --topologies: each topology gets T CPUs, split evenly over its instances")
     s.set_defaults(func=_lazy("triptych.bench.serve:cli_main"))
+    n = bsub.add_parser("neighbours", help="an instance's decode throughput alone and with busy neighbours")
+    n.add_argument("--instance-cpus", type=_cpus, required=True, metavar="X", help="CPU quota of every instance")
+    n.add_argument("--neighbours", type=int, default=3, help="busy EPD instances beside the target")
+    n.add_argument("--concurrency", type=int, default=4, help="streams per instance (closed loop)")
+    n.add_argument("--output-len", type=int, default=64, help="tokens per request (ignore_eos)")
+    n.add_argument("--seconds", type=float, default=20.0, help="length of each measurement window")
+    n.add_argument("--ramp", type=float, default=3.0, help="seconds of neighbour load before measuring")
+    n.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    n.add_argument("--request-timeout", type=float, default=120.0)
+    n.add_argument("--no-contrast", action="store_true", help="skip the run without quotas")
+    n.add_argument("--json", action="store_true")
+    n.set_defaults(func=_lazy("triptych.bench.neighbours:cli_main"))
     i = bsub.add_parser("idle", help="CPU each process of an idle local deployment uses")
     i.add_argument("--topology", default="1E1P1D")
     i.add_argument("--seconds", type=float, default=20.0, help="length of the sampling window")

@@ -1,0 +1,182 @@
+"""`triptych bench neighbours`: does an instance keep its capacity when its neighbours get busy?
+
+On a GPU cluster an instance owns its accelerator; locally every instance shares the same
+cores. This starts one EPD instance (the target, behind its own router) and N more EPD
+instances (the neighbours, behind a second router), all with the same torch threads
+(ceil(X)), and measures the target's decode throughput twice: alone (neighbours idle),
+and while the neighbours decode as fast as they can under a closed-loop load. It does so
+with every instance capped at X CPUs (triptych.cpu_quota) and, for contrast, without caps.
+
+With quotas the two figures should agree (the target's share does not depend on what its
+neighbours do); without, the target alone uses the cores its neighbours leave idle.
+A quota is a ceiling, not a guarantee: on a machine busier than the quotas add up to
+(other users, the routers and this client are uncapped), an instance gets less than X.
+The target's and neighbours' CPU use (cores, from /proc/PID/stat) is reported per window
+so that a reader can tell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from triptych.bench.client import send_request
+from triptych.bench.errors import BenchError
+from triptych.bench.idle_cpu import cpu_seconds
+from triptych.bench.report import fmt, progress
+from triptych.bench.stats import RequestResult, percentile
+from triptych.bench.workload import Workload, build_bodies
+from triptych.cpu_quota import threads_for
+
+TOLERANCE = 0.15  # alone vs with busy neighbours, with quotas (the issue's bar)
+
+
+async def _model(client: httpx.AsyncClient, url: str) -> str:
+    resp = await client.get(f"{url}/v1/models", timeout=10.0)
+    resp.raise_for_status()
+    return resp.json()["data"][0]["id"]
+
+
+async def _closed_loop(client: httpx.AsyncClient, url: str, bodies: Sequence[bytes], until: float,
+                       stop: asyncio.Event | None, timeout_s: float) -> list[RequestResult]:
+    """len(bodies) streams, each sending its body again as soon as the last finished, until
+    `until` (monotonic) passes or `stop` is set."""
+    results: list[RequestResult] = []
+
+    async def stream(body: bytes) -> None:
+        while time.monotonic() < until and not (stop and stop.is_set()):
+            results.append(await send_request(client, f"{url}/v1/chat/completions", body, timeout_s))
+
+    await asyncio.gather(*(stream(b) for b in bodies))
+    return results
+
+
+def _cores(pids: Sequence[int], before: Sequence[float], seconds: float) -> float:
+    return sum(cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)) / seconds
+
+
+async def _window(client: httpx.AsyncClient, target: Any, bodies: Sequence[bytes], seconds: float,
+                  neighbour_pids: Sequence[int], timeout_s: float) -> dict[str, Any]:
+    """The target's output tokens per second over a closed loop of `seconds`, and the cores
+    the target and its neighbours used meanwhile."""
+    tpid = target.workers[0].popen.pid
+    t_before, n_before = [cpu_seconds(tpid)], [cpu_seconds(p) for p in neighbour_pids]
+    start = time.monotonic()
+    results = await _closed_loop(client, target.router_url, bodies, start + seconds, None, timeout_s)
+    elapsed = time.monotonic() - start
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise BenchError(f"{len(failed)} target request(s) failed, e.g. {failed[0]}")
+    tokens = sum(r.num_tokens for r in results)
+    tpots = [r.tpot for r in results if r.tpot is not None]
+    return {"tokens": tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 2),
+            "tpot_p50_s": percentile(tpots, 50), "requests": len(results),
+            "target_cores": round(_cores([tpid], t_before, elapsed), 3),
+            "neighbour_cores": round(_cores(neighbour_pids, n_before, elapsed), 3) if neighbour_pids else 0.0}
+
+
+async def _measure(target: Any, neighbours: Any, cfg: argparse.Namespace) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout), limits=limits,
+                                 trust_env=False) as client:
+        model_t, model_n = await _model(client, target.router_url), await _model(client, neighbours.router_url)
+        work = Workload(num_requests=cfg.concurrency, images_per_request=0, prompt_len=8,
+                        output_len=cfg.output_len)
+        bodies = build_bodies(work, model_t, seed=1)
+        busy = build_bodies(Workload(num_requests=cfg.concurrency * cfg.neighbours, images_per_request=0,
+                                     prompt_len=8, output_len=cfg.output_len), model_n, seed=2)
+        n_pids = [w.popen.pid for w in neighbours.workers]
+        for body in (bodies[0], busy[0]):  # warm-up: first requests pay one-off costs
+            for url in (target.router_url, neighbours.router_url):
+                await send_request(client, f"{url}/v1/chat/completions", body, cfg.request_timeout)
+        progress(f"  target alone for {cfg.seconds:g} s")
+        alone = await _window(client, target, bodies, cfg.seconds, n_pids, cfg.request_timeout)
+        progress(f"    {alone['tokens_per_s']} tok/s")
+        stop = asyncio.Event()
+        load = asyncio.create_task(_closed_loop(client, neighbours.router_url, busy, math.inf, stop,
+                                                cfg.request_timeout))
+        await asyncio.sleep(cfg.ramp)
+        progress(f"  target with {cfg.neighbours} busy neighbours for {cfg.seconds:g} s")
+        try:
+            crowded = await _window(client, target, bodies, cfg.seconds, n_pids, cfg.request_timeout)
+        finally:
+            stop.set()
+            neighbour_results = await load
+        progress(f"    {crowded['tokens_per_s']} tok/s")
+        n_failed = [r.error for r in neighbour_results if not r.ok]
+        if n_failed:
+            raise BenchError(f"{len(n_failed)} neighbour request(s) failed, e.g. {n_failed[0]}")
+    ratio = crowded["tokens_per_s"] / alone["tokens_per_s"] if alone["tokens_per_s"] else None
+    return {"alone": alone, "with_neighbours": crowded, "ratio": None if ratio is None else round(ratio, 3)}
+
+
+def run_mode(cfg: argparse.Namespace, quota: bool) -> dict[str, Any]:
+    """Start the target and its neighbours (capped at cfg.instance_cpus if `quota`), measure, stop."""
+    from triptych.local import LocalDeployment, resolve_model
+    from triptych.topology import parse_topology
+
+    model = resolve_model(cfg.model)
+    threads = threads_for(cfg.instance_cpus)
+    common = {"model": model, "transfer_require": "any", "worker_args": ["--threads", str(threads)],
+              "instance_cpus": cfg.instance_cpus if quota else None}
+    target = LocalDeployment(topology=parse_topology("EPD"), **common)  # type: ignore[arg-type]
+    neighbours = LocalDeployment(topology=parse_topology(f"{cfg.neighbours}EPD"), **common)  # type: ignore[arg-type]
+    label = f"quota {cfg.instance_cpus:g} CPU each" if quota else "no quota"
+    progress(f"== {label}: 1 target + {cfg.neighbours} neighbour EPD instances, {threads} thread(s) each")
+    with target, neighbours:
+        capped = target.quota is not None and neighbours.quota is not None
+        if quota and not capped:
+            raise BenchError(f"no CPU quota could be set: {target.quota_error or neighbours.quota_error}")
+        out = asyncio.run(_measure(target, neighbours, cfg))
+    return {"quota_cpus": cfg.instance_cpus if quota else None, "threads": threads, **out}
+
+
+def format_table(modes: Sequence[dict[str, Any]]) -> str:
+    head = ("mode", "alone tok/s", "busy tok/s", "busy/alone", "tpot50 alone/busy ms", "target cores a/b",
+            "neighbour cores a/b")
+    rows = [head]
+    for m in modes:
+        a, b = m["alone"], m["with_neighbours"]
+        rows.append((f"quota {m['quota_cpus']:g}" if m["quota_cpus"] else "no quota", fmt(a["tokens_per_s"], 1, 1),
+                     fmt(b["tokens_per_s"], 1, 1), fmt(m["ratio"], 1, 3),
+                     f"{fmt(a['tpot_p50_s'], 1e3, 1)}/{fmt(b['tpot_p50_s'], 1e3, 1)}",
+                     f"{a['target_cores']:.2f}/{b['target_cores']:.2f}",
+                     f"{a['neighbour_cores']:.2f}/{b['neighbour_cores']:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    from triptych.local import StartupError
+
+    try:
+        if args.neighbours < 1 or args.concurrency < 1 or args.output_len < 2 or not args.seconds > 0:
+            raise BenchError("need --neighbours >= 1, --concurrency >= 1, --output-len >= 2, --seconds > 0")
+        modes = [run_mode(args, quota=True)]
+        if not args.no_contrast:
+            modes.append(run_mode(args, quota=False))
+    except (BenchError, StartupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    capped = modes[0]
+    within = capped["ratio"] is not None and abs(1 - capped["ratio"]) <= TOLERANCE
+    result = {"instance_cpus": args.instance_cpus, "neighbours": args.neighbours, "concurrency": args.concurrency,
+              "output_len": args.output_len, "seconds": args.seconds, "modes": modes,
+              "quota_within_tolerance": within, "tolerance": TOLERANCE}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(modes))
+        print(f"\nwith quotas, busy/alone = {fmt(capped['ratio'], 1, 3)}: "
+              f"{'within' if within else 'NOT within'} {TOLERANCE:.0%}. cores a/b: CPU used alone/with busy "
+              f"neighbours (/proc/PID/stat). A quota is a ceiling: on an oversubscribed machine an instance "
+              f"gets less than its share.")
+    return 0
