@@ -3,18 +3,20 @@
 On a GPU cluster an instance owns its accelerator; in a local deployment all instances
 share the machine's cores, so an idle instance speeds up its neighbours and moving a role
 moves no capacity. `triptych serve --instance-cpus X` puts every instance process in its
-own group `triptych/<deployment-id>/<instance>` whose quota is X CPUs:
+own group `triptych-<deployment-id>-<instance>` whose quota is X CPUs:
 
 - cgroup v2 (a `cgroup.controllers` listing `cpu` at the root): `cpu.max` = "quota period",
-  with `+cpu` enabled in `cgroup.subtree_control` of every ancestor we create;
+  with `+cpu` enabled in the root's `cgroup.subtree_control`;
 - cgroup v1 (a `cpu` hierarchy mounted at <root>/cpu): `cpu.cfs_period_us` and
   `cpu.cfs_quota_us`.
 
-A quota is a ceiling, not a guarantee: on an oversubscribed machine a group gets less.
-So that a group does not get *less* than the same processes ungrouped would (a group at
-the top level competes with each other top-level task as one entity), each group's weight
-is its share in CPUs times the default weight of one task (v1 `cpu.shares` 1024 per CPU,
-v2 `cpu.weight` 100 per CPU), and each ancestor weighs the sum of its children.
+A quota is a ceiling, not a guarantee: on an oversubscribed machine a group gets less,
+by weight. The groups are flat (directly under the root), not nested under a deployment
+group: siblings in a common parent split the parent's weight among those that are
+runnable, so an idle instance's weight would flow to its busy neighbours -- the very
+coupling the quotas remove. Each group weighs its share in CPUs times the default weight
+of one task (v1 `cpu.shares` 1024 per CPU, v2 `cpu.weight` 100 per CPU): under
+contention it competes like X busy processes, whatever its neighbours do.
 
 The root is /sys/fs/cgroup, or $TRIPTYCH_CGROUP_ROOT (tests point it at a stand-in tree).
 Anything that prevents a quota (no cpu controller, not root, read-only) raises
@@ -30,7 +32,7 @@ import re
 import secrets
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_ROOT = Path("/sys/fs/cgroup")
@@ -41,7 +43,7 @@ MIN_QUOTA_US = 1_000  # the kernel refuses cfs quotas under 1 ms
 # directory (a stand-in tree in tests) they are plain files that must go before rmdir.
 _WRITTEN = ("cpu.max", "cpu.weight", "cpu.cfs_quota_us", "cpu.cfs_period_us", "cpu.shares",
             "cgroup.procs", "cgroup.subtree_control")
-_DEPLOYMENT_ID = re.compile(r"^(\d+)-[0-9a-f]+$")
+_STALE = re.compile(rf"^{TOP}-(\d+)-[0-9a-f]+-")
 
 
 class QuotaUnavailable(RuntimeError):
@@ -130,41 +132,33 @@ def _rmdir(path: Path, timeout_s: float = 5.0) -> bool:
 
 @dataclass
 class DeploymentGroups:
-    """The groups of one local deployment: `<base>/triptych/<deployment_id>/<instance>`."""
+    """The groups of one local deployment: `<base>/triptych-<deployment_id>-<instance>`."""
 
     layout: Layout
     deployment_id: str
-    weights: dict[str, int] = field(default_factory=dict)
 
     @property
-    def top(self) -> Path:
-        return self.layout.base / TOP
-
-    @property
-    def path(self) -> Path:
-        return self.top / self.deployment_id
+    def prefix(self) -> str:
+        return f"{TOP}-{self.deployment_id}-"
 
     @classmethod
     def create(cls, deployment_id: str | None = None, root: Path | None = None) -> DeploymentGroups:
         layout = detect(root)
         groups = cls(layout, deployment_id or new_deployment_id())
-        try:
-            groups.top.mkdir(exist_ok=True)
-            groups.sweep_stale()
-            groups.path.mkdir()
-        except OSError as exc:
-            raise QuotaUnavailable(f"cannot create {groups.path}: {exc.strerror or exc}") from exc
         if layout.version == 2:
-            try:
-                for parent in (layout.base, groups.top, groups.path):
-                    _write(parent / "cgroup.subtree_control", "+cpu")
-            except QuotaUnavailable:
-                groups.remove()
-                raise
+            _write(layout.base / "cgroup.subtree_control", "+cpu")
+        groups.sweep_stale()
         return groups
 
     def group(self, instance: str) -> Path:
-        return self.path / instance
+        return self.layout.base / (self.prefix + instance)
+
+    def instances(self) -> list[str]:
+        try:
+            names = [p.name for p in self.layout.base.iterdir() if p.is_dir()]
+        except OSError:
+            return []
+        return sorted(n[len(self.prefix):] for n in names if n.startswith(self.prefix))
 
     def add_instance(self, instance: str, cpus: float) -> Path:
         """Create (or reuse) the group of `instance` with a quota of `cpus` CPUs."""
@@ -176,41 +170,31 @@ class DeploymentGroups:
         quota = quota_us(cpus)
         if self.layout.version == 2:
             _write(path / "cpu.max", f"{quota} {PERIOD_US}")
+            _write(path / "cpu.weight", str(min(10_000, max(1, round(100 * cpus)))))
         else:
             _write(path / "cpu.cfs_period_us", str(PERIOD_US))
             _write(path / "cpu.cfs_quota_us", str(quota))
-        self.weights[instance] = self._weight(cpus)
-        self._set_weight(path, self.weights[instance])
-        self._set_weight(self.path, sum(self.weights.values()))
-        self._reweigh_top()
+            _write(path / "cpu.shares", str(max(2, round(1024 * cpus))))
         return path
-
-    def _weight(self, cpus: float) -> int:
-        if self.layout.version == 2:
-            return min(10_000, max(1, round(100 * cpus)))
-        return max(2, round(1024 * cpus))
-
-    def _set_weight(self, path: Path, weight: int) -> None:
-        name = "cpu.weight" if self.layout.version == 2 else "cpu.shares"
-        _write(path / name, str(weight))
-
-    def _reweigh_top(self) -> None:
-        """The shared `triptych` group weighs the sum of every deployment's (best effort:
-        another deployment may be starting or stopping meanwhile)."""
-        name = "cpu.weight" if self.layout.version == 2 else "cpu.shares"
-        total = 0
-        for child in self.top.iterdir():
-            try:
-                total += int((child / name).read_text()) if child.is_dir() else 0
-            except (OSError, ValueError):
-                continue
-        if total:
-            limit = 10_000 if self.layout.version == 2 else 262_144
-            self._set_weight(self.top, min(limit, total))
 
     def move(self, pid: int, instance: str) -> None:
         """Put process `pid` (every thread of it) in the group of `instance`."""
         _write(self.group(instance) / "cgroup.procs", str(pid))
+
+    def cpu_stat(self, instance: str) -> dict[str, int]:
+        """The group's throttling counters (`nr_periods`, `nr_throttled`, and the time
+        throttled as `throttled_us`): whether the quota, rather than other load, held it back."""
+        try:
+            text = (self.group(instance) / "cpu.stat").read_text()
+        except OSError:
+            return {}
+        raw = dict((k, int(v)) for k, v in (line.split()[:2] for line in text.splitlines() if line.strip()))
+        out = {k: raw[k] for k in ("nr_periods", "nr_throttled") if k in raw}
+        if "throttled_usec" in raw:  # v2
+            out["throttled_us"] = raw["throttled_usec"]
+        elif "throttled_time" in raw:  # v1: nanoseconds
+            out["throttled_us"] = raw["throttled_time"] // 1000
+        return out
 
     def pids(self, instance: str) -> list[int]:
         try:
@@ -235,12 +219,11 @@ class DeploymentGroups:
         return False
 
     def remove(self, timeout_s: float = 5.0) -> list[Path]:
-        """Kill what is still inside (a process an instance left behind), remove every
-        group of this deployment, and `triptych/` when it is empty. Returns the groups
-        that could not be removed (empty when all went)."""
+        """Kill what is still inside (a process an instance left behind) and remove every
+        group of this deployment. Returns the groups that could not be removed (empty when
+        all went)."""
         left: list[Path] = []
-        instances = sorted(p.name for p in self.path.iterdir() if p.is_dir()) if self.path.is_dir() else []
-        for instance in instances:
+        for instance in self.instances():
             for pid in self.pids(instance):
                 if self._member(pid, instance):
                     try:
@@ -249,19 +232,12 @@ class DeploymentGroups:
                         pass
             if not _rmdir(self.group(instance), timeout_s):
                 left.append(self.group(instance))
-        if not _rmdir(self.path, timeout_s):
-            left.append(self.path)
-        _rmdir(self.top, 0)  # fails while another deployment holds a group: fine
         return left
 
     def sweep_stale(self) -> None:
         """Remove empty groups of deployments whose owner process is gone (a `serve`
         killed with SIGKILL could not clean up)."""
-        for child in self.top.iterdir():
-            match = _DEPLOYMENT_ID.match(child.name)
-            if not child.is_dir() or not match or _pid_alive(int(match.group(1))):
-                continue
-            for sub in child.iterdir():
-                if sub.is_dir():
-                    _rmdir(sub, 0)
-            _rmdir(child, 0)
+        for child in self.layout.base.iterdir():
+            match = _STALE.match(child.name)
+            if child.is_dir() and match and not _pid_alive(int(match.group(1))):
+                _rmdir(child, 0)

@@ -93,15 +93,25 @@ class LocalDeployment:
         capped = self.quota is not None
         return {p.name: self.instance_cpus if capped else None for p in self.workers}
 
+    def _instance_names(self) -> list[str]:
+        return ([f"worker-{kind}-{i}" for kind, n in self.topology.items() for i in range(n)]
+                + [f"worker-{role}-{i}" for i, role in enumerate(self.extra_roles)])
+
     def _open_quota(self) -> None:
-        """Create this deployment's cgroups, or say plainly why there will be none."""
+        """Create every instance's cgroup, or say plainly why there will be none."""
         if self.instance_cpus is None or self.quota is not None:
             return
         if not self.instance_cpus > 0:
             raise ValueError(f"--instance-cpus must be > 0, got {self.instance_cpus}")
+        groups = None
         try:
-            self.quota = DeploymentGroups.create()
+            groups = DeploymentGroups.create()
+            for name in self._instance_names():
+                groups.add_instance(name, self.instance_cpus)
+            self.quota = groups
         except QuotaUnavailable as exc:
+            if groups is not None:
+                groups.remove()
             self.quota_error = str(exc)
             print(f"triptych: --instance-cpus {self.instance_cpus:g}: cannot set a CPU quota ({exc}); "
                   f"running WITHOUT quotas (instances share every core; threads still "

@@ -58,9 +58,8 @@ def _one_completion(port: int) -> None:
 
 
 def _groups_of(layout: Layout, serve_pid: int) -> list[Path]:
-    """The deployment groups `serve` (pid) made: their id starts with its pid."""
-    top = layout.base / "triptych"
-    return [p for p in top.iterdir() if p.name.startswith(f"{serve_pid}-")] if top.is_dir() else []
+    """The instance groups `serve` (pid) made: the deployment id starts with its pid."""
+    return sorted(p for p in layout.base.iterdir() if p.name.startswith(f"triptych-{serve_pid}-"))
 
 
 def _thread_env(pid: int) -> str:
@@ -68,10 +67,9 @@ def _thread_env(pid: int) -> str:
     return next(e.decode() for e in env if e.startswith(b"OMP_NUM_THREADS="))
 
 
-def _check_groups(layout: Layout, proc: subprocess.Popen[str], instances: int, quota_us: int) -> Path:
-    (dep,) = _groups_of(layout, proc.pid)
-    groups = sorted(p for p in dep.iterdir() if p.is_dir())
-    assert len(groups) == instances and all(g.name.startswith("worker-") for g in groups)
+def _check_groups(layout: Layout, proc: subprocess.Popen[str], instances: int, quota_us: int) -> list[Path]:
+    groups = _groups_of(layout, proc.pid)
+    assert len(groups) == instances and all("-worker-" in g.name for g in groups)
     quota_file = "cpu.max" if layout.version == 2 else "cpu.cfs_quota_us"
     inside: list[int] = []
     for g in groups:
@@ -81,7 +79,7 @@ def _check_groups(layout: Layout, proc: subprocess.Popen[str], instances: int, q
     workers = [pid for pid in children if pid in inside]
     assert len(workers) == instances == len(children) - 1  # every instance inside; the router is not
     assert all(_thread_env(pid) == "OMP_NUM_THREADS=1" for pid in workers)
-    return dep
+    return groups
 
 
 @needs_cgroups
@@ -90,12 +88,12 @@ def test_serve_puts_each_instance_in_its_group_and_removes_them_on_sigterm(tmp_p
     assert layout is not None
     proc, port = _serve("1E1P1D", 0.5, dict(os.environ), tmp_path / "stderr")
     try:
-        dep = _check_groups(layout, proc, 3, 50_000)
+        groups = _check_groups(layout, proc, 3, 50_000)
         _one_completion(port)
         children = _children(proc.pid)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
-        assert not dep.exists()
+        assert not any(g.exists() for g in groups)
         for pid in children:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
@@ -110,12 +108,12 @@ def test_groups_are_removed_when_an_instance_dies(tmp_path: Path) -> None:
     assert layout is not None
     proc, _ = _serve("EPD", 0.75, dict(os.environ), tmp_path / "stderr")
     try:
-        dep = _check_groups(layout, proc, 1, 75_000)
-        (worker,) = [int(p) for g in dep.iterdir() if g.is_dir() for p in (g / "cgroup.procs").read_text().split()]
+        (group,) = _check_groups(layout, proc, 1, 75_000)
+        (worker,) = [int(p) for p in (group / "cgroup.procs").read_text().split()]
         os.kill(worker, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         assert "exited with code -9; shutting down" in (tmp_path / "stderr").read_text()
-        assert not dep.exists()
+        assert not group.exists()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -50,20 +50,17 @@ def test_quota_and_threads_follow_the_share() -> None:
 def test_v2_layout_writes_cpu_max_weight_subtree_control_and_removes_all(tmp_path: Path) -> None:
     root = v2_root(tmp_path)
     groups = DeploymentGroups.create("123-abc", root)
-    assert groups.path == root / "triptych" / "123-abc"
-    for parent in (root, root / "triptych", groups.path):
-        assert (parent / "cgroup.subtree_control").read_text() == "+cpu"
+    assert (root / "cgroup.subtree_control").read_text() == "+cpu"
     g = groups.add_instance("worker-E-0", 0.4)
     groups.add_instance("worker-D-0", 1.5)
+    assert g == root / "triptych-123-abc-worker-E-0"  # flat: no parent pooling the siblings' weight
     assert (g / "cpu.max").read_text() == "40000 100000"
     assert (groups.group("worker-D-0") / "cpu.max").read_text() == "150000 100000"
     assert (g / "cpu.weight").read_text() == "40"
-    assert (groups.path / "cpu.weight").read_text() == "190"  # the sum of its instances
-    assert (root / "triptych" / "cpu.weight").read_text() == "190"
+    assert groups.instances() == ["worker-D-0", "worker-E-0"]
     groups.move(4242, "worker-E-0")
     assert groups.pids("worker-E-0") == [4242]
     assert groups.remove() == []
-    assert not (root / "triptych").exists()
     assert sorted(p.name for p in root.iterdir()) == ["cgroup.controllers", "cgroup.subtree_control"]
 
 
@@ -71,47 +68,47 @@ def test_v1_layout_writes_cfs_quota_and_shares(tmp_path: Path) -> None:
     root = v1_root(tmp_path)
     groups = DeploymentGroups.create("123-abc", root)
     g = groups.add_instance("worker-EPD-0", 0.25)
+    assert g == root / "cpu" / "triptych-123-abc-worker-EPD-0"
     assert (g / "cpu.cfs_period_us").read_text() == "100000"
     assert (g / "cpu.cfs_quota_us").read_text() == "25000"
     assert (g / "cpu.shares").read_text() == "256"
-    assert not (groups.path / "cgroup.subtree_control").exists()  # v1 has none
     groups.move(os.getpid(), "worker-EPD-0")  # a stand-in lists it; the kernel does not: never killed
     assert groups.remove() == []
     assert sorted(p.name for p in (root / "cpu").iterdir()) == ["cpu.cfs_quota_us"]
 
 
-def test_remove_keeps_the_top_group_while_another_deployment_holds_one(tmp_path: Path) -> None:
+def test_remove_takes_only_its_own_deployments_groups(tmp_path: Path) -> None:
     root = v1_root(tmp_path)
     a = DeploymentGroups.create(f"{os.getpid()}-aa", root)
     b = DeploymentGroups.create(f"{os.getpid()}-bb", root)
     a.add_instance("w", 0.5)
     b.add_instance("w", 0.5)
-    assert (root / "cpu" / "triptych" / "cpu.shares").read_text() == "1024"  # both deployments
     assert a.remove() == []
-    assert [p.name for p in (root / "cpu" / "triptych").iterdir() if p.is_dir()] == [b.deployment_id]
+    assert [p.name for p in (root / "cpu").iterdir() if p.is_dir()] == [f"triptych-{os.getpid()}-bb-w"]
     assert b.remove() == []
-    assert not (root / "cpu" / "triptych").exists()
 
 
 def test_stale_groups_of_a_dead_owner_are_swept(tmp_path: Path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
-    stale = v1_root(tmp_path) / "cpu" / "triptych" / f"{int(dead.stdout)}-0f"
-    (stale / "worker-D-0").mkdir(parents=True)
-    groups = DeploymentGroups.create(None, tmp_path)
-    assert not stale.exists()
-    groups.remove()
+    stale = v1_root(tmp_path) / "cpu" / f"triptych-{int(dead.stdout)}-0f-worker-D-0"
+    stale.mkdir()
+    live = tmp_path / "cpu" / f"triptych-{os.getpid()}-0f-worker-D-0"
+    live.mkdir()
+    DeploymentGroups.create(None, tmp_path)
+    assert not stale.exists() and live.exists()
 
 
 def test_unwritable_root_raises_with_the_reason(tmp_path: Path) -> None:
     root = v1_root(tmp_path)
+    groups = DeploymentGroups.create("1-a", root)
     (root / "cpu").chmod(0o555)
     try:
         if os.access(root / "cpu", os.W_OK):  # root ignores the mode bits: a file where the dir goes
             (root / "cpu").chmod(0o755)
-            (root / "cpu" / "triptych").write_text("")
+            (root / "cpu" / "triptych-1-a-w").write_text("")
         with pytest.raises(QuotaUnavailable, match="cannot create"):
-            DeploymentGroups.create("1-a", root)
+            groups.add_instance("w", 0.5)
     finally:
         (root / "cpu").chmod(0o755)
 
@@ -134,7 +131,7 @@ def test_real_v1_quota_caps_a_busy_child(monkeypatch: pytest.MonkeyPatch) -> Non
         try:
             groups.move(child.pid, "busy")
             assert groups.pids("busy") == [child.pid]
-            assert f":cpu:/triptych/{groups.deployment_id}/busy" in Path(f"/proc/{child.pid}/cgroup").read_text()
+            assert f":cpu:/triptych-{groups.deployment_id}-busy" in Path(f"/proc/{child.pid}/cgroup").read_text()
             time.sleep(0.3)
             t0, c0 = time.monotonic(), cpu_seconds(child.pid)
             time.sleep(3.0)
@@ -145,7 +142,7 @@ def test_real_v1_quota_caps_a_busy_child(monkeypatch: pytest.MonkeyPatch) -> Non
             child.wait(timeout=10)
     finally:
         assert groups.remove() == []
-    assert not groups.path.exists()
+    assert not groups.group("busy").exists()
 
 
 def test_module_default_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -153,3 +150,21 @@ def test_module_default_root_follows_the_environment(monkeypatch: pytest.MonkeyP
     assert cpu_quota.cgroup_root() == tmp_path
     monkeypatch.delenv("TRIPTYCH_CGROUP_ROOT")
     assert cpu_quota.cgroup_root() == Path("/sys/fs/cgroup")
+
+
+@pytest.mark.parametrize(("version", "text", "want"), [
+    (1, "nr_periods 10\nnr_throttled 4\nthrottled_time 2500000\nnr_bursts 0\n",
+     {"nr_periods": 10, "nr_throttled": 4, "throttled_us": 2500}),
+    (2, "usage_usec 9\nnr_periods 10\nnr_throttled 4\nthrottled_usec 2500\n",
+     {"nr_periods": 10, "nr_throttled": 4, "throttled_us": 2500}),
+])
+def test_cpu_stat_reads_throttling_of_both_layouts(tmp_path: Path, version: int, text: str,
+                                                   want: dict[str, int]) -> None:
+    root = v2_root(tmp_path) if version == 2 else v1_root(tmp_path)
+    groups = DeploymentGroups.create("1-a", root)
+    groups.add_instance("w", 0.5)
+    (groups.group("w") / "cpu.stat").write_text(text)
+    assert groups.cpu_stat("w") == want
+    (groups.group("w") / "cpu.stat").unlink()
+    assert groups.cpu_stat("w") == {}
+    groups.remove()

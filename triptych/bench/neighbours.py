@@ -59,6 +59,11 @@ async def _closed_loop(client: httpx.AsyncClient, url: str, bodies: Sequence[byt
     return results
 
 
+def _throttle_stat(dep: Any) -> dict[str, int]:
+    """The target's cgroup counters; empty without a quota."""
+    return dep.quota.cpu_stat(dep.workers[0].name) if dep.quota is not None else {}
+
+
 def _cores(pids: Sequence[int], before: Sequence[float], seconds: float) -> float:
     return sum(cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)) / seconds
 
@@ -69,6 +74,7 @@ async def _window(client: httpx.AsyncClient, target: Any, bodies: Sequence[bytes
     the target and its neighbours used meanwhile."""
     tpid = target.workers[0].popen.pid
     t_before, n_before = [cpu_seconds(tpid)], [cpu_seconds(p) for p in neighbour_pids]
+    stat_before = _throttle_stat(target)
     start = time.monotonic()
     results = await _closed_loop(client, target.router_url, bodies, start + seconds, None, timeout_s)
     elapsed = time.monotonic() - start
@@ -77,7 +83,9 @@ async def _window(client: httpx.AsyncClient, target: Any, bodies: Sequence[bytes
         raise BenchError(f"{len(failed)} target request(s) failed, e.g. {failed[0]}")
     tokens = sum(r.num_tokens for r in results)
     tpots = [r.tpot for r in results if r.tpot is not None]
-    return {"tokens": tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 2),
+    stat = {k: v - stat_before.get(k, 0) for k, v in _throttle_stat(target).items()}
+    throttled = stat["nr_throttled"] / stat["nr_periods"] if stat.get("nr_periods") else None
+    return {"throttled_share": None if throttled is None else round(throttled, 3), "tokens": tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 2),
             "tpot_p50_s": percentile(tpots, 50), "requests": len(results),
             "target_cores": round(_cores([tpid], t_before, elapsed), 3),
             "neighbour_cores": round(_cores(neighbour_pids, n_before, elapsed), 3) if neighbour_pids else 0.0}
@@ -141,7 +149,7 @@ def run_mode(cfg: argparse.Namespace, quota: bool) -> dict[str, Any]:
 
 def format_table(modes: Sequence[dict[str, Any]]) -> str:
     head = ("mode", "alone tok/s", "busy tok/s", "busy/alone", "tpot50 alone/busy ms", "target cores a/b",
-            "neighbour cores a/b")
+            "neighbour cores a/b", "throttled% a/b")
     rows = [head]
     for m in modes:
         a, b = m["alone"], m["with_neighbours"]
@@ -149,7 +157,8 @@ def format_table(modes: Sequence[dict[str, Any]]) -> str:
                      fmt(b["tokens_per_s"], 1, 1), fmt(m["ratio"], 1, 3),
                      f"{fmt(a['tpot_p50_s'], 1e3, 1)}/{fmt(b['tpot_p50_s'], 1e3, 1)}",
                      f"{a['target_cores']:.2f}/{b['target_cores']:.2f}",
-                     f"{a['neighbour_cores']:.2f}/{b['neighbour_cores']:.2f}"))
+                     f"{a['neighbour_cores']:.2f}/{b['neighbour_cores']:.2f}",
+                     f"{fmt(a['throttled_share'], 100, 0)}/{fmt(b['throttled_share'], 100, 0)}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
@@ -177,6 +186,7 @@ def cli_main(args: argparse.Namespace) -> int:
         print(format_table(modes))
         print(f"\nwith quotas, busy/alone = {fmt(capped['ratio'], 1, 3)}: "
               f"{'within' if within else 'NOT within'} {TOLERANCE:.0%}. cores a/b: CPU used alone/with busy "
-              f"neighbours (/proc/PID/stat). A quota is a ceiling: on an oversubscribed machine an instance "
-              f"gets less than its share.")
+              f"neighbours (/proc/PID/stat); throttled%: share of the target's quota periods in which it hit "
+              f"its quota (cgroup cpu.stat). A quota is a ceiling: on an oversubscribed machine an instance "
+              f"gets less than its share, and then is rarely throttled.")
     return 0
