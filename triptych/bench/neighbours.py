@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -46,10 +47,11 @@ async def _model(client: httpx.AsyncClient, url: str) -> str:
 
 
 async def _closed_loop(client: httpx.AsyncClient, url: str, bodies: Sequence[bytes], until: float,
-                       stop: asyncio.Event | None, timeout_s: float) -> list[RequestResult]:
+                       stop: asyncio.Event | None, timeout_s: float,
+                       results: list[RequestResult] | None = None) -> list[RequestResult]:
     """len(bodies) streams, each sending its body again as soon as the last finished, until
-    `until` (monotonic) passes or `stop` is set."""
-    results: list[RequestResult] = []
+    `until` (monotonic) passes or `stop` is set; the finished requests go to `results`."""
+    results = [] if results is None else results
 
     async def stream(body: bytes) -> None:
         while time.monotonic() < until and not (stop and stop.is_set()):
@@ -108,22 +110,52 @@ async def _measure(target: Any, neighbours: Any, cfg: argparse.Namespace) -> dic
         progress(f"  target alone for {cfg.seconds:g} s")
         alone = await _window(client, target, bodies, cfg.seconds, n_pids, cfg.request_timeout)
         progress(f"    {alone['tokens_per_s']} tok/s")
-        stop = asyncio.Event()
-        load = asyncio.create_task(_closed_loop(client, neighbours.router_url, busy, math.inf, stop,
-                                                cfg.request_timeout))
-        await asyncio.sleep(cfg.ramp)
-        progress(f"  target with {cfg.neighbours} busy neighbours for {cfg.seconds:g} s")
+        # The neighbours' load comes from another process: streams parsed in this event
+        # loop would slow the target's client, not the target.
+        load = subprocess.Popen([sys.executable, "-m", "triptych.bench.neighbours", neighbours.router_url,
+                                 str(cfg.concurrency * cfg.neighbours), str(cfg.output_len),
+                                 str(cfg.request_timeout)], stdout=subprocess.PIPE, text=True)
         try:
+            await asyncio.sleep(cfg.ramp)
+            if load.poll() is not None:
+                raise BenchError(f"the neighbours' load generator exited with code {load.returncode}")
+            progress(f"  target with {cfg.neighbours} busy neighbours for {cfg.seconds:g} s")
             crowded = await _window(client, target, bodies, cfg.seconds, n_pids, cfg.request_timeout)
         finally:
-            stop.set()
-            neighbour_results = await load
+            load.send_signal(signal.SIGTERM)
+            out, _ = load.communicate(timeout=60)
         progress(f"    {crowded['tokens_per_s']} tok/s")
-        n_failed = [r.error for r in neighbour_results if not r.ok]
-        if n_failed:
-            raise BenchError(f"{len(n_failed)} neighbour request(s) failed, e.g. {n_failed[0]}")
+        if not out.strip():
+            raise BenchError(f"the neighbours' load generator reported nothing (exit code {load.returncode})")
+        tally = json.loads(out.strip().splitlines()[-1])
+        progress(f"    neighbours: {tally['completed']} requests completed meanwhile")
+        if tally["failed"]:
+            raise BenchError(f"{tally['failed']} neighbour request(s) failed, e.g. {tally['error']}")
     ratio = crowded["tokens_per_s"] / alone["tokens_per_s"] if alone["tokens_per_s"] else None
-    return {"alone": alone, "with_neighbours": crowded, "ratio": None if ratio is None else round(ratio, 3)}
+    return {"alone": alone, "with_neighbours": crowded, "ratio": None if ratio is None else round(ratio, 3),
+            "neighbour_requests_completed": tally["completed"]}
+
+
+async def _load(url: str, streams: int, output_len: int, timeout_s: float) -> dict[str, Any]:
+    """Closed-loop load on `url` until SIGTERM; requests in flight then are cancelled (the
+    router aborts them). Counts completed and failed requests."""
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, trust_env=False) as client:
+        model = await _model(client, url)
+        bodies = build_bodies(Workload(num_requests=streams, images_per_request=0, prompt_len=8,
+                                       output_len=output_len), model, seed=2)
+        results: list[RequestResult] = []
+        task = asyncio.create_task(_closed_loop(client, url, bodies, float("inf"), stop, timeout_s, results))
+        await stop.wait()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+    failed = [r.error for r in results if not r.ok]
+    return {"completed": len(results) - len(failed), "failed": len(failed), "error": failed[0] if failed else None}
 
 
 def run_mode(cfg: argparse.Namespace, quota: bool) -> dict[str, Any]:
@@ -163,6 +195,11 @@ def format_table(modes: Sequence[dict[str, Any]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
+def _load_main(argv: Sequence[str]) -> None:
+    url, streams, output_len, timeout_s = argv
+    print(json.dumps(asyncio.run(_load(url, int(streams), int(output_len), float(timeout_s)))), flush=True)
+
+
 def cli_main(args: argparse.Namespace) -> int:
     from triptych.local import StartupError
 
@@ -190,3 +227,7 @@ def cli_main(args: argparse.Namespace) -> int:
               f"its quota (cgroup cpu.stat). A quota is a ceiling: on an oversubscribed machine an instance "
               f"gets less than its share, and then is rarely throttled.")
     return 0
+
+
+if __name__ == "__main__":  # the neighbours' load generator (a process of its own)
+    _load_main(sys.argv[1:])
