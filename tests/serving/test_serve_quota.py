@@ -36,7 +36,8 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def _serve(topology: str, cpus: float, env: dict[str, str], stderr: Path) -> tuple[subprocess.Popen[str], int]:
+def _serve(topology: str, cpus: float, env: dict[str, str],
+           stderr: Path) -> tuple[subprocess.Popen[str], int]:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "triptych.cli", "serve", "--model", "tiny", "--topology",
                              topology, "--port", str(port), "--instance-cpus", str(cpus)],

@@ -131,7 +131,8 @@ def test_real_v1_quota_caps_a_busy_child(monkeypatch: pytest.MonkeyPatch) -> Non
         try:
             groups.move(child.pid, "busy")
             assert groups.pids("busy") == [child.pid]
-            assert f":cpu:/triptych-{groups.deployment_id}-busy" in Path(f"/proc/{child.pid}/cgroup").read_text()
+            membership = Path(f"/proc/{child.pid}/cgroup").read_text()
+            assert f":cpu:/triptych-{groups.deployment_id}-busy" in membership
             time.sleep(0.3)
             t0, c0 = time.monotonic(), cpu_seconds(child.pid)
             time.sleep(3.0)

@@ -87,8 +87,9 @@ async def _window(client: httpx.AsyncClient, target: Any, bodies: Sequence[bytes
     tpots = [r.tpot for r in results if r.tpot is not None]
     stat = {k: v - stat_before.get(k, 0) for k, v in _throttle_stat(target).items()}
     throttled = stat["nr_throttled"] / stat["nr_periods"] if stat.get("nr_periods") else None
-    return {"throttled_share": None if throttled is None else round(throttled, 3), "tokens": tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 2),
+    return {"tokens": tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 2),
             "tpot_p50_s": percentile(tpots, 50), "requests": len(results),
+            "throttled_share": None if throttled is None else round(throttled, 3),
             "target_cores": round(_cores([tpid], t_before, elapsed), 3),
             "neighbour_cores": round(_cores(neighbour_pids, n_before, elapsed), 3) if neighbour_pids else 0.0}
 
@@ -97,15 +98,15 @@ async def _measure(target: Any, neighbours: Any, cfg: argparse.Namespace) -> dic
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout), limits=limits,
                                  trust_env=False) as client:
-        model_t, model_n = await _model(client, target.router_url), await _model(client, neighbours.router_url)
+        model_t = await _model(client, target.router_url)
+        model_n = await _model(client, neighbours.router_url)
         work = Workload(num_requests=cfg.concurrency, images_per_request=0, prompt_len=8,
                         output_len=cfg.output_len)
         bodies = build_bodies(work, model_t, seed=1)
-        busy = build_bodies(Workload(num_requests=cfg.concurrency * cfg.neighbours, images_per_request=0,
-                                     prompt_len=8, output_len=cfg.output_len), model_n, seed=2)
         n_pids = [w.popen.pid for w in neighbours.workers]
-        for body in (bodies[0], busy[0]):  # warm-up: first requests pay one-off costs
-            for url in (target.router_url, neighbours.router_url):
+        for url, model in ((target.router_url, model_t), (neighbours.router_url, model_n)):
+            body = build_bodies(work, model, seed=3)[0]  # warm-up: first requests pay one-off costs
+            for _ in range(2):
                 await send_request(client, f"{url}/v1/chat/completions", body, cfg.request_timeout)
         progress(f"  target alone for {cfg.seconds:g} s")
         alone = await _window(client, target, bodies, cfg.seconds, n_pids, cfg.request_timeout)
@@ -155,7 +156,8 @@ async def _load(url: str, streams: int, output_len: int, timeout_s: float) -> di
         except asyncio.CancelledError:
             pass
     failed = [r.error for r in results if not r.ok]
-    return {"completed": len(results) - len(failed), "failed": len(failed), "error": failed[0] if failed else None}
+    return {"completed": len(results) - len(failed), "failed": len(failed),
+            "error": failed[0] if failed else None}
 
 
 def run_mode(cfg: argparse.Namespace, quota: bool) -> dict[str, Any]:
@@ -168,7 +170,8 @@ def run_mode(cfg: argparse.Namespace, quota: bool) -> dict[str, Any]:
     common = {"model": model, "transfer_require": "any", "worker_args": ["--threads", str(threads)],
               "instance_cpus": cfg.instance_cpus if quota else None}
     target = LocalDeployment(topology=parse_topology("EPD"), **common)  # type: ignore[arg-type]
-    neighbours = LocalDeployment(topology=parse_topology(f"{cfg.neighbours}EPD"), **common)  # type: ignore[arg-type]
+    neighbours = LocalDeployment(topology=parse_topology(f"{cfg.neighbours}EPD"),
+                                 **common)  # type: ignore[arg-type]
     label = f"quota {cfg.instance_cpus:g} CPU each" if quota else "no quota"
     progress(f"== {label}: 1 target + {cfg.neighbours} neighbour EPD instances, {threads} thread(s) each")
     with target, neighbours:
@@ -185,7 +188,8 @@ def format_table(modes: Sequence[dict[str, Any]]) -> str:
     rows = [head]
     for m in modes:
         a, b = m["alone"], m["with_neighbours"]
-        rows.append((f"quota {m['quota_cpus']:g}" if m["quota_cpus"] else "no quota", fmt(a["tokens_per_s"], 1, 1),
+        mode = f"quota {m['quota_cpus']:g}" if m["quota_cpus"] else "no quota"
+        rows.append((mode, fmt(a["tokens_per_s"], 1, 1),
                      fmt(b["tokens_per_s"], 1, 1), fmt(m["ratio"], 1, 3),
                      f"{fmt(a['tpot_p50_s'], 1e3, 1)}/{fmt(b['tpot_p50_s'], 1e3, 1)}",
                      f"{a['target_cores']:.2f}/{b['target_cores']:.2f}",
@@ -214,7 +218,8 @@ def cli_main(args: argparse.Namespace) -> int:
         return 2
     capped = modes[0]
     within = capped["ratio"] is not None and abs(1 - capped["ratio"]) <= TOLERANCE
-    result = {"instance_cpus": args.instance_cpus, "neighbours": args.neighbours, "concurrency": args.concurrency,
+    result = {"instance_cpus": args.instance_cpus, "neighbours": args.neighbours,
+              "concurrency": args.concurrency,
               "output_len": args.output_len, "seconds": args.seconds, "modes": modes,
               "quota_within_tolerance": within, "tolerance": TOLERANCE}
     if args.json:
