@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -71,11 +72,14 @@ def _cores(pids: Sequence[int], before: Sequence[float], seconds: float) -> floa
 
 
 async def _window(client: httpx.AsyncClient, target: Any, bodies: Sequence[bytes], seconds: float,
-                  neighbour_pids: Sequence[int], timeout_s: float) -> dict[str, Any]:
+                  neighbour_pids: Sequence[int], timeout_s: float,
+                  apparatus_pids: Sequence[int]) -> dict[str, Any]:
     """The target's output tokens per second over a closed loop of `seconds`, and the cores
-    the target and its neighbours used meanwhile."""
+    the target, its neighbours and the uncapped apparatus (both routers, this client and
+    the neighbours' load generator) used meanwhile."""
     tpid = target.workers[0].popen.pid
     t_before, n_before = [cpu_seconds(tpid)], [cpu_seconds(p) for p in neighbour_pids]
+    a_before = [cpu_seconds(p) for p in apparatus_pids]
     stat_before = _throttle_stat(target)
     start = time.monotonic()
     results = await _closed_loop(client, target.router_url, bodies, start + seconds, None, timeout_s)
@@ -91,7 +95,8 @@ async def _window(client: httpx.AsyncClient, target: Any, bodies: Sequence[bytes
             "tpot_p50_s": percentile(tpots, 50), "requests": len(results),
             "throttled_share": None if throttled is None else round(throttled, 3),
             "target_cores": round(_cores([tpid], t_before, elapsed), 3),
-            "neighbour_cores": round(_cores(neighbour_pids, n_before, elapsed), 3) if neighbour_pids else 0.0}
+            "neighbour_cores": round(_cores(neighbour_pids, n_before, elapsed), 3) if neighbour_pids else 0.0,
+            "apparatus_cores": round(_cores(apparatus_pids, a_before, elapsed), 3)}
 
 
 async def _measure(target: Any, neighbours: Any, cfg: argparse.Namespace) -> dict[str, Any]:
@@ -109,7 +114,8 @@ async def _measure(target: Any, neighbours: Any, cfg: argparse.Namespace) -> dic
             for _ in range(2):
                 await send_request(client, f"{url}/v1/chat/completions", body, cfg.request_timeout)
         progress(f"  target alone for {cfg.seconds:g} s")
-        alone = await _window(client, target, bodies, cfg.seconds, n_pids, cfg.request_timeout)
+        apparatus = [os.getpid(), target.processes[-1].popen.pid, neighbours.processes[-1].popen.pid]
+        alone = await _window(client, target, bodies, cfg.seconds, n_pids, cfg.request_timeout, apparatus)
         progress(f"    {alone['tokens_per_s']} tok/s")
         # The neighbours' load comes from another process: streams parsed in this event
         # loop would slow the target's client, not the target.
@@ -121,7 +127,8 @@ async def _measure(target: Any, neighbours: Any, cfg: argparse.Namespace) -> dic
             if load.poll() is not None:
                 raise BenchError(f"the neighbours' load generator exited with code {load.returncode}")
             progress(f"  target with {cfg.neighbours} busy neighbours for {cfg.seconds:g} s")
-            crowded = await _window(client, target, bodies, cfg.seconds, n_pids, cfg.request_timeout)
+            crowded = await _window(client, target, bodies, cfg.seconds, n_pids, cfg.request_timeout,
+                                    [*apparatus, load.pid])
         finally:
             load.send_signal(signal.SIGTERM)
             out, _ = load.communicate(timeout=60)
@@ -184,7 +191,7 @@ def run_mode(cfg: argparse.Namespace, quota: bool) -> dict[str, Any]:
 
 def format_table(modes: Sequence[dict[str, Any]]) -> str:
     head = ("mode", "alone tok/s", "busy tok/s", "busy/alone", "tpot50 alone/busy ms", "target cores a/b",
-            "neighbour cores a/b", "throttled% a/b")
+            "neighbour cores a/b", "routers+clients cores a/b", "throttled% a/b")
     rows = [head]
     for m in modes:
         a, b = m["alone"], m["with_neighbours"]
@@ -194,6 +201,7 @@ def format_table(modes: Sequence[dict[str, Any]]) -> str:
                      f"{fmt(a['tpot_p50_s'], 1e3, 1)}/{fmt(b['tpot_p50_s'], 1e3, 1)}",
                      f"{a['target_cores']:.2f}/{b['target_cores']:.2f}",
                      f"{a['neighbour_cores']:.2f}/{b['neighbour_cores']:.2f}",
+                     f"{a['apparatus_cores']:.2f}/{b['apparatus_cores']:.2f}",
                      f"{fmt(a['throttled_share'], 100, 0)}/{fmt(b['throttled_share'], 100, 0)}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
@@ -228,7 +236,8 @@ def cli_main(args: argparse.Namespace) -> int:
         print(format_table(modes))
         print(f"\nwith quotas, busy/alone = {fmt(capped['ratio'], 1, 3)}: "
               f"{'within' if within else 'NOT within'} {TOLERANCE:.0%}. cores a/b: CPU used alone/with busy "
-              f"neighbours (/proc/PID/stat); throttled%: share of the target's quota periods in which it hit "
+              f"neighbours (/proc/PID/stat; routers+clients: both routers, this client and the neighbours' "
+              f"load generator, all uncapped); throttled%: share of the target's quota periods in which it hit "
               f"its quota (cgroup cpu.stat). A quota is a ceiling: on an oversubscribed machine an instance "
               f"gets less than its share, and then is rarely throttled.")
     return 0
