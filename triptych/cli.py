@@ -114,6 +114,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     n.add_argument("--ramp", type=float, default=3.0, help="seconds of neighbour load before measuring")
     n.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
     n.add_argument("--request-timeout", type=float, default=120.0)
+    n.add_argument("--priority", type=_cpus, default=1.0, metavar="K",
+                   help="weight of each capped instance: K busy tasks per CPU of quota (K > 1: the quota, "
+                        "not other load on a busy machine, bounds it; it takes CPU from other processes)")
     n.add_argument("--no-contrast", action="store_true", help="skip the run without quotas")
     n.add_argument("--json", action="store_true")
     n.set_defaults(func=_lazy("triptych.bench.neighbours:cli_main"))

@@ -16,7 +16,9 @@ group: siblings in a common parent split the parent's weight among those that ar
 runnable, so an idle instance's weight would flow to its busy neighbours -- the very
 coupling the quotas remove. Each group weighs its share in CPUs times the default weight
 of one task (v1 `cpu.shares` 1024 per CPU, v2 `cpu.weight` 100 per CPU): under
-contention it competes like X busy processes, whatever its neighbours do.
+contention it competes like X busy processes, whatever its neighbours do. On a machine
+oversubscribed by other processes that is less than X; `priority` K > 1 multiplies the
+weight (opt-in: the instances then take CPU from other processes, up to their quotas).
 
 The root is /sys/fs/cgroup, or $TRIPTYCH_CGROUP_ROOT (tests point it at a stand-in tree).
 Anything that prevents a quota (no cpu controller, not root, read-only) raises
@@ -136,15 +138,19 @@ class DeploymentGroups:
 
     layout: Layout
     deployment_id: str
+    priority: float = 1.0  # weight multiplier: >1 lets the quota, not other load, bound a group
 
     @property
     def prefix(self) -> str:
         return f"{TOP}-{self.deployment_id}-"
 
     @classmethod
-    def create(cls, deployment_id: str | None = None, root: Path | None = None) -> DeploymentGroups:
+    def create(cls, deployment_id: str | None = None, root: Path | None = None,
+               priority: float = 1.0) -> DeploymentGroups:
+        if not 0 < priority < math.inf:
+            raise ValueError(f"priority must be a positive number, got {priority}")
         layout = detect(root)
-        groups = cls(layout, deployment_id or new_deployment_id())
+        groups = cls(layout, deployment_id or new_deployment_id(), priority)
         if layout.version == 2:
             _write(layout.base / "cgroup.subtree_control", "+cpu")
         groups.sweep_stale()
@@ -170,11 +176,11 @@ class DeploymentGroups:
         quota = quota_us(cpus)
         if self.layout.version == 2:
             _write(path / "cpu.max", f"{quota} {PERIOD_US}")
-            _write(path / "cpu.weight", str(min(10_000, max(1, round(100 * cpus)))))
+            _write(path / "cpu.weight", str(min(10_000, max(1, round(100 * cpus * self.priority)))))
         else:
             _write(path / "cpu.cfs_period_us", str(PERIOD_US))
             _write(path / "cpu.cfs_quota_us", str(quota))
-            _write(path / "cpu.shares", str(max(2, round(1024 * cpus))))
+            _write(path / "cpu.shares", str(min(262_144, max(2, round(1024 * cpus * self.priority)))))
         return path
 
     def move(self, pid: int, instance: str) -> None:

@@ -70,6 +70,7 @@ class LocalDeployment:
     startup_timeout_s: float = 180.0
     log_dir: Path | None = None
     instance_cpus: float | None = None  # CPU quota per instance (cgroup); None: share the machine
+    cpu_priority: float = 1.0  # weight of a capped instance per CPU of quota, in busy tasks
     processes: list[Process] = field(default_factory=list)
     quota: DeploymentGroups | None = None  # the instances' cgroups, while running with quotas
     quota_error: str | None = None  # why --instance-cpus runs without quotas
@@ -105,7 +106,7 @@ class LocalDeployment:
             raise ValueError(f"--instance-cpus must be > 0, got {self.instance_cpus}")
         groups = None
         try:
-            groups = DeploymentGroups.create()
+            groups = DeploymentGroups.create(priority=self.cpu_priority)
             for name in self._instance_names():
                 groups.add_instance(name, self.instance_cpus)
             self.quota = groups

@@ -77,6 +77,16 @@ def test_v1_layout_writes_cfs_quota_and_shares(tmp_path: Path) -> None:
     assert sorted(p.name for p in (root / "cpu").iterdir()) == ["cpu.cfs_quota_us"]
 
 
+def test_priority_multiplies_the_weight_only(tmp_path: Path) -> None:
+    root = v1_root(tmp_path)
+    groups = DeploymentGroups.create("1-a", root, priority=8)
+    g = groups.add_instance("w", 0.1)
+    assert (g / "cpu.shares").read_text() == "819" and (g / "cpu.cfs_quota_us").read_text() == "10000"
+    with pytest.raises(ValueError):
+        DeploymentGroups.create("1-b", root, priority=0)
+    groups.remove()
+
+
 def test_remove_takes_only_its_own_deployments_groups(tmp_path: Path) -> None:
     root = v1_root(tmp_path)
     a = DeploymentGroups.create(f"{os.getpid()}-aa", root)

@@ -175,11 +175,11 @@ def run_mode(cfg: argparse.Namespace, quota: bool) -> dict[str, Any]:
     model = resolve_model(cfg.model)
     threads = threads_for(cfg.instance_cpus)
     common = {"model": model, "transfer_require": "any", "worker_args": ["--threads", str(threads)],
-              "instance_cpus": cfg.instance_cpus if quota else None}
+              "instance_cpus": cfg.instance_cpus if quota else None, "cpu_priority": cfg.priority}
     target = LocalDeployment(topology=parse_topology("EPD"), **common)  # type: ignore[arg-type]
     neighbours = LocalDeployment(topology=parse_topology(f"{cfg.neighbours}EPD"),
                                  **common)  # type: ignore[arg-type]
-    label = f"quota {cfg.instance_cpus:g} CPU each" if quota else "no quota"
+    label = f"quota {cfg.instance_cpus:g} CPU each, priority {cfg.priority:g}" if quota else "no quota"
     progress(f"== {label}: 1 target + {cfg.neighbours} neighbour EPD instances, {threads} thread(s) each")
     with target, neighbours:
         capped = target.quota is not None and neighbours.quota is not None
@@ -226,7 +226,7 @@ def cli_main(args: argparse.Namespace) -> int:
         return 2
     capped = modes[0]
     within = capped["ratio"] is not None and abs(1 - capped["ratio"]) <= TOLERANCE
-    result = {"instance_cpus": args.instance_cpus, "neighbours": args.neighbours,
+    result = {"instance_cpus": args.instance_cpus, "priority": args.priority, "neighbours": args.neighbours,
               "concurrency": args.concurrency,
               "output_len": args.output_len, "seconds": args.seconds, "modes": modes,
               "quota_within_tolerance": within, "tolerance": TOLERANCE}
