@@ -15,6 +15,17 @@ from triptych.topology import ROLE_CHOICES
 FAMILIES = ("qwen2-vl", "qwen2.5-vl", "llava")
 
 
+def _cpus(text: str) -> float:
+    """A CPU share: a positive number of CPUs (0.5 = half a core)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of CPUs, got {text}")
+    return value
+
+
 def _lazy(target: str) -> Callable[[argparse.Namespace], int | None]:
     module_name, func_name = target.split(":")
 
@@ -89,7 +100,26 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--log-dir", default=None, help="with --topologies: process logs go here")
     s.add_argument("--idle-seconds", type=float, default=3.0,
                    help="with --topologies: measure idle CPU this long before the load (0: skip)")
+    s.add_argument("--instance-cpus", type=_cpus, default=None, metavar="X",
+                   help="with --topologies: cap every instance at X CPUs (cgroup quota)")
+    s.add_argument("--total-cpus", type=_cpus, default=None, metavar="T",
+                   help="with --topologies: each topology gets T CPUs, split evenly over its instances")
     s.set_defaults(func=_lazy("triptych.bench.serve:cli_main"))
+    n = bsub.add_parser("neighbours", help="an instance's decode throughput alone and with busy neighbours")
+    n.add_argument("--instance-cpus", type=_cpus, required=True, metavar="X", help="CPU quota of every instance")
+    n.add_argument("--neighbours", type=int, default=3, help="busy EPD instances beside the target")
+    n.add_argument("--concurrency", type=int, default=4, help="streams per instance (closed loop)")
+    n.add_argument("--output-len", type=int, default=64, help="tokens per request (ignore_eos)")
+    n.add_argument("--seconds", type=float, default=20.0, help="length of each measurement window")
+    n.add_argument("--ramp", type=float, default=3.0, help="seconds of neighbour load before measuring")
+    n.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    n.add_argument("--request-timeout", type=float, default=120.0)
+    n.add_argument("--priority", type=_cpus, default=1.0, metavar="K",
+                   help="weight of each capped instance: K busy tasks per CPU of quota (K > 1: the quota, "
+                        "not other load on a busy machine, bounds it; it takes CPU from other processes)")
+    n.add_argument("--no-contrast", action="store_true", help="skip the run without quotas")
+    n.add_argument("--json", action="store_true")
+    n.set_defaults(func=_lazy("triptych.bench.neighbours:cli_main"))
     i = bsub.add_parser("idle", help="CPU each process of an idle local deployment uses")
     i.add_argument("--topology", default="1E1P1D")
     i.add_argument("--seconds", type=float, default=20.0, help="length of the sampling window")
@@ -201,6 +231,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key-file", default=None, help="the router's API keys, one per line (or TRIPTYCH_API_KEY)")
     p.add_argument("--allow-no-api-key", action="store_true",
                    help="serve a non-loopback --host without API keys (refused by default)")
+    p.add_argument("--instance-cpus", type=_cpus, default=None, metavar="X",
+                   help="cap every instance at X CPUs (its own cgroup, ceil(X) torch threads); "
+                        "without root or a cpu controller it says so and runs uncapped")
     p.set_defaults(func=_lazy("triptych.local:cli_main"))
 
 

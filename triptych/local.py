@@ -14,11 +14,13 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from triptych.cpu_quota import DeploymentGroups, QuotaUnavailable, threads_for
 from triptych.topology import InstanceType, parse_topology
 
 log = logging.getLogger("triptych.local")
@@ -67,7 +69,11 @@ class LocalDeployment:
     router_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 180.0
     log_dir: Path | None = None
+    instance_cpus: float | None = None  # CPU quota per instance (cgroup); None: share the machine
+    cpu_priority: float = 1.0  # weight of a capped instance per CPU of quota, in busy tasks
     processes: list[Process] = field(default_factory=list)
+    quota: DeploymentGroups | None = None  # the instances' cgroups, while running with quotas
+    quota_error: str | None = None  # why --instance-cpus runs without quotas
 
     @property
     def router_url(self) -> str:
@@ -78,10 +84,56 @@ class LocalDeployment:
         return self.processes[:-1]
 
     def _threads_per_instance(self) -> int:
+        if self.instance_cpus is not None:  # as many threads as the share has CPUs
+            return threads_for(self.instance_cpus)
         instances = sum(self.topology.values()) + len(self.extra_roles)
         return max(1, (os.cpu_count() or 1) // instances)
 
-    def _spawn(self, name: str, args: list[str], port: int) -> Process:
+    def instance_quotas(self) -> dict[str, float | None]:
+        """CPUs each instance is capped at (None: no quota), by process name."""
+        capped = self.quota is not None
+        return {p.name: self.instance_cpus if capped else None for p in self.workers}
+
+    def _instance_names(self) -> list[str]:
+        return ([f"worker-{kind}-{i}" for kind, n in self.topology.items() for i in range(n)]
+                + [f"worker-{role}-{i}" for i, role in enumerate(self.extra_roles)])
+
+    def _open_quota(self) -> None:
+        """Create every instance's cgroup, or say plainly why there will be none."""
+        if self.instance_cpus is None or self.quota is not None:
+            return
+        if not self.instance_cpus > 0:
+            raise ValueError(f"--instance-cpus must be > 0, got {self.instance_cpus}")
+        groups = None
+        try:
+            groups = DeploymentGroups.create(priority=self.cpu_priority)
+            for name in self._instance_names():
+                groups.add_instance(name, self.instance_cpus)
+            self.quota = groups
+        except QuotaUnavailable as exc:
+            if groups is not None:
+                groups.remove()
+            self.quota_error = str(exc)
+            print(f"triptych: --instance-cpus {self.instance_cpus:g}: cannot set a CPU quota ({exc}); "
+                  f"running WITHOUT quotas (instances share every core; threads still "
+                  f"{threads_for(self.instance_cpus)} each)", file=sys.stderr, flush=True)
+
+    def _preexec_for(self, name: str) -> Callable[[], None] | None:
+        """Join the instance's group in the child before exec, so that everything it runs
+        or spawns is inside from its first instruction."""
+        if self.quota is None or self.instance_cpus is None:
+            return None
+        try:
+            procs = self.quota.add_instance(name, self.instance_cpus) / "cgroup.procs"
+        except QuotaUnavailable as exc:
+            raise StartupError(f"{name}: {exc}") from exc
+
+        def join() -> None:
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+        return join
+
+    def _spawn(self, name: str, args: list[str], port: int, capped: bool = False) -> Process:
         env = dict(os.environ)
         threads = str(self._threads_per_instance())
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TRIPTYCH_THREADS=threads)
@@ -90,7 +142,9 @@ class LocalDeployment:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "wb")
         cmd = [sys.executable, "-m", "triptych.cli", *args]
-        popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        preexec = self._preexec_for(name) if capped else None
+        popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                 preexec_fn=preexec)
         return Process(name=name, url=f"http://{self.host}:{port}", popen=popen)
 
     def start_worker(self, kind: InstanceType | str, index: int, port: int | None = None) -> Process:
@@ -98,12 +152,13 @@ class LocalDeployment:
         args = ["worker", "--model", str(self.model), "--role", str(kind), "--host", self.host,
                 "--port", str(port), "--instance-id", f"{kind}-{index}",
                 "--transfer-require", self.transfer_require, *self.worker_args]
-        return self._spawn(f"worker-{kind}-{index}", args, port)
+        return self._spawn(f"worker-{kind}-{index}", args, port, capped=True)
 
     def start(self) -> LocalDeployment:
         if self.processes:  # already running (e.g. started, then used as a context manager)
             return self
         try:
+            self._open_quota()
             workers = [self.start_worker(kind, i) for kind, n in self.topology.items() for i in range(n)]
             workers += [self.start_worker(role, i) for i, role in enumerate(self.extra_roles)]
             self.processes.extend(workers)
@@ -126,7 +181,7 @@ class LocalDeployment:
             proc.popen.kill()
             proc.popen.wait(timeout=10)
         port = int(proc.url.rsplit(":", 1)[1])
-        fresh = self._spawn(proc.name, list(args), port)
+        fresh = self._spawn(proc.name, list(args), port, capped=proc.name != "router")
         self.processes[self.processes.index(proc)] = fresh
         self._wait_ready([fresh])
         return fresh
@@ -164,6 +219,11 @@ class LocalDeployment:
                 proc.popen.kill()
                 proc.popen.wait(timeout=5)
         self.processes.clear()
+        if self.quota is not None:
+            left = self.quota.remove()
+            if left:
+                log.error("could not remove cgroups %s", ", ".join(map(str, left)))
+            self.quota = None
 
     def __enter__(self) -> LocalDeployment:
         return self.start()
@@ -190,6 +250,7 @@ def cli_main(args: argparse.Namespace) -> int:
         port=args.port,
         transfer_require=args.transfer_require,
         router_args=_router_passthrough(args),
+        instance_cpus=getattr(args, "instance_cpus", None),
     )
     stopping = False
 

@@ -8,6 +8,8 @@
 - report.py: tables and plots
 - topologies.py: the same load against several local deployments
 - idle_cpu.py: CPU each process of a local deployment burns while idle (`bench idle`)
+- neighbours.py: one instance's decode throughput alone and beside busy neighbours,
+  with and without CPU quotas (`bench neighbours`)
 - nixl_bandwidth.py: raw NIXL READ bandwidth between two processes (imports torch lazily)
 - engine.py: our engine against transformers on CPU (`bench engine`; imports torch)
 - serve.py: the `bench serve` command

@@ -50,21 +50,32 @@ def cli_main(args: argparse.Namespace) -> int:
         if bool(topologies) == bool(args.url):
             raise BenchError("give either --url (a running router) or --topologies (start each locally)")
         headers = {"Authorization": f"Bearer {args.api_key}"} if getattr(args, "api_key", None) else {}
+        instance_cpus, total_cpus = getattr(args, "instance_cpus", None), getattr(args, "total_cpus", None)
+        quotas = instance_cpus is not None or total_cpus is not None
+        if quotas and not topologies:
+            raise BenchError("--instance-cpus/--total-cpus cap the instances --topologies starts")
+        note = ""
         if topologies:
             log_dir = Path(args.log_dir) if getattr(args, "log_dir", None) else None
             per = run_topologies([t.strip() for t in topologies], args.model, cfg,
                                  getattr(args, "transfer_require", "nixl"), log_dir,
-                                 getattr(args, "idle_seconds", 3.0))
+                                 getattr(args, "idle_seconds", 3.0), instance_cpus, total_cpus)
             result: dict[str, Any] = {"topologies": per}
             series = {spec: [(r["rate"], r["slo_attainment"]) for r in rep["rates"]] for spec, rep in per.items()}
             rows = [{"topology": spec, **rep} for spec, rep in per.items()]
-            text = table(rows, TOPOLOGY_COLUMNS, label=("topology", "topology"))
+            columns = TOPOLOGY_COLUMNS
+            if quotas:
+                columns = (*columns, ("cpu/inst", "instance_cpus", 1, 3), ("cpuTotal", "total_cpus", 1, 2))
+                note = ("\n\ncpu/inst: CPU quota of each instance (-: none could be set); the router is "
+                        "uncapped. A quota is a ceiling: on a busy machine an instance may get less.")
+            text = table(rows, columns, label=("topology", "topology"))
         else:
             result = asyncio.run(run_bench(args.url, cfg, getattr(args, "worker_urls", None) or [], headers))
             series = {"attainment": [(r["rate"], r["slo_attainment"]) for r in result["rates"]]}
             text = ""
         if getattr(args, "measure_nixl", False):
             result.update(measure_nixl(getattr(args, "nixl_mib", 64)))
+        text += note
         if not topologies:
             text = format_report(result)
         elif "nixl_read_gib_s" in result:

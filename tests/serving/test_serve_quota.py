@@ -1,0 +1,139 @@
+"""`triptych serve --instance-cpus X`: every instance in its own cgroup with X CPUs of quota
+and ceil(X) threads, the groups gone after SIGTERM or after a child dies; and, where no
+quota can be set, a plain message on stderr and a deployment that serves anyway."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from triptych.cpu_quota import Layout, QuotaUnavailable, detect
+from triptych.local import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _real_layout() -> Layout | None:
+    try:
+        layout = detect(Path("/sys/fs/cgroup"))
+    except (QuotaUnavailable, OSError):
+        return None
+    return layout if os.geteuid() == 0 and os.access(layout.base, os.W_OK) else None
+
+
+needs_cgroups = pytest.mark.skipif(_real_layout() is None, reason="needs root and a writable cpu controller")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _serve(topology: str, cpus: float, env: dict[str, str],
+           stderr: Path) -> tuple[subprocess.Popen[str], int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "triptych.cli", "serve", "--model", "tiny", "--topology",
+                             topology, "--port", str(port), "--instance-cpus", str(cpus)],
+                            stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True, env=env)
+    deadline = time.monotonic() + 240
+    line = ""
+    while "serving" not in line and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, f"serve exited early: {stderr.read_text()[-2000:]}"
+    assert f"http://127.0.0.1:{port}/v1" in line
+    return proc, port
+
+
+def _one_completion(port: int) -> None:
+    name = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"][0]["id"]
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+                   json={"model": name, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def _groups_of(layout: Layout, serve_pid: int) -> list[Path]:
+    """The instance groups `serve` (pid) made: the deployment id starts with its pid."""
+    return sorted(p for p in layout.base.iterdir() if p.name.startswith(f"triptych-{serve_pid}-"))
+
+
+def _thread_env(pid: int) -> str:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next(e.decode() for e in env if e.startswith(b"OMP_NUM_THREADS="))
+
+
+def _check_groups(layout: Layout, proc: subprocess.Popen[str], instances: int, quota_us: int) -> list[Path]:
+    groups = _groups_of(layout, proc.pid)
+    assert len(groups) == instances and all("-worker-" in g.name for g in groups)
+    quota_file = "cpu.max" if layout.version == 2 else "cpu.cfs_quota_us"
+    inside: list[int] = []
+    for g in groups:
+        assert (g / quota_file).read_text().split()[0] == str(quota_us)
+        inside += [int(p) for p in (g / "cgroup.procs").read_text().split()]
+    children = _children(proc.pid)
+    workers = [pid for pid in children if pid in inside]
+    assert len(workers) == instances == len(children) - 1  # every instance inside; the router is not
+    assert all(_thread_env(pid) == "OMP_NUM_THREADS=1" for pid in workers)
+    return groups
+
+
+@needs_cgroups
+def test_serve_puts_each_instance_in_its_group_and_removes_them_on_sigterm(tmp_path: Path) -> None:
+    layout = _real_layout()
+    assert layout is not None
+    proc, port = _serve("1E1P1D", 0.5, dict(os.environ), tmp_path / "stderr")
+    try:
+        groups = _check_groups(layout, proc, 3, 50_000)
+        _one_completion(port)
+        children = _children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert not any(g.exists() for g in groups)
+        for pid in children:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@needs_cgroups
+def test_groups_are_removed_when_an_instance_dies(tmp_path: Path) -> None:
+    layout = _real_layout()
+    assert layout is not None
+    proc, _ = _serve("EPD", 0.75, dict(os.environ), tmp_path / "stderr")
+    try:
+        (group,) = _check_groups(layout, proc, 1, 75_000)
+        (worker,) = [int(p) for p in (group / "cgroup.procs").read_text().split()]
+        os.kill(worker, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        assert "exited with code -9; shutting down" in (tmp_path / "stderr").read_text()
+        assert not group.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_no_quota_possible_says_so_and_serves(tmp_path: Path) -> None:
+    """A cgroup root without a cpu controller stands in for a machine where quotas cannot be set."""
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("memory pids\n")
+    proc, port = _serve("EPD", 0.5, {**os.environ, "TRIPTYCH_CGROUP_ROOT": str(root)}, tmp_path / "stderr")
+    try:
+        _one_completion(port)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        err = (tmp_path / "stderr").read_text()
+        assert "--instance-cpus 0.5: cannot set a CPU quota (no cpu controller under" in err
+        assert "running WITHOUT quotas" in err
+        assert sorted(p.name for p in root.iterdir()) == ["cgroup.controllers"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
