@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from functools import cache
 
 from triptych.operator.planner.profile import StepProfile
-from triptych.operator.planner.sim_instance import latency_limit
 from triptych.operator.planner.workload import WorkloadStats
+from triptych.slo_budgets import latency_limit
 from triptych.topology import InstanceType, Stage
 
 # The hybrid methods of TriInfer §4.4 / HydraInfer Fig. 12, plus E+PD and the aggregated EPD.

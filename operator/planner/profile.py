@@ -25,6 +25,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from triptych.operator.planner.model_shape import ModelShape
+from triptych.slo_budgets import search_budget
 
 
 class Point(BaseModel):
@@ -123,10 +124,10 @@ class StepProfile(BaseModel):
 
     # --- TriInfer Alg. 1 lines 1-5: budgets from the SLO ----------------------------------
     def token_budget(self, limit_s: float, hi: int = 16384) -> int:
-        return max(1, _search(lambda n: self.step_overhead_s + self.prefill_s(n), limit_s, hi))
+        return max(1, search_budget(lambda n: self.step_overhead_s + self.prefill_s(n), limit_s, 1, hi))
 
     def image_budget(self, limit_s: float, pixels: float, hi: int = 256) -> int:
-        return max(1, _search(lambda n: self.step_overhead_s + self.encode_s(n, pixels), limit_s, hi))
+        return max(1, search_budget(lambda n: self.step_overhead_s + self.encode_s(n, pixels), limit_s, 1, hi))
 
     @cached_property
     def _encode_curves(self) -> tuple[list[int], list[_Curve]]:
@@ -149,18 +150,6 @@ _Curve = tuple[list[float], list[float]]
 def _curve(points: Sequence[Point]) -> _Curve:
     pts = sorted(points, key=lambda p: p.x)
     return [p.x for p in pts], [p.seconds for p in pts]
-
-
-def _search(cost, limit: float, hi: int) -> int:  # type: ignore[no-untyped-def]
-    """Largest n in [1, hi] with cost(n) <= limit (cost non-decreasing); 0 when none."""
-    lo, best = 1, 0
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if cost(mid) <= limit:
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
-    return best
 
 
 def _interp(curve: _Curve, x: float) -> float:

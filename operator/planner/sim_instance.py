@@ -27,8 +27,6 @@ from dataclasses import dataclass, field
 from triptych.operator.planner.profile import StepProfile
 from triptych.topology import InstanceType, Stage
 
-TTFT_TYPES = frozenset({InstanceType.E, InstanceType.EP, InstanceType.P})
-
 
 @dataclass(eq=False)
 class SimRequest:
@@ -70,10 +68,6 @@ class Batch:
     encodes: list[tuple[SimRequest, int]] = field(default_factory=list)
     steps: int = 1  # > 1: a macro step of identical decode-only steps
     duration: float = 0.0
-
-
-def latency_limit(kind: InstanceType, ttft_slo_s: float, tbt_slo_s: float, alpha: float = 0.5) -> float:
-    return alpha * ttft_slo_s if kind in TTFT_TYPES else tbt_slo_s
 
 
 class SimInstance:

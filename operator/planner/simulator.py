@@ -25,8 +25,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from triptych.operator.planner.profile import StepProfile
-from triptych.operator.planner.sim_instance import Batch, SimInstance, SimRequest, latency_limit
+from triptych.operator.planner.sim_instance import Batch, SimInstance, SimRequest
 from triptych.operator.planner.workload import TraceRequest
+from triptych.slo_budgets import latency_limit
 from triptych.topology import STAGE_ORDER, InstanceType, Stage
 
 TBT_QUANTILE = 0.9  # HydraInfer §2.3, as router/metrics.py

@@ -15,6 +15,7 @@ from engine_cases import make_cases, processor, to_request
 from hf_reference import make_test_image, png_bytes
 
 from triptych.sampling_params import SamplingParams
+from triptych.slo_budgets import latency_limit
 from triptych.topology import InstanceType, Stage
 from triptych.worker.engine import (
     Engine,
@@ -30,7 +31,6 @@ from triptych.worker.engine import (
     RequestValidationError,
     StageNotServedError,
 )
-from triptych.worker.engine.profiler import latency_limit
 from triptych.worker.models.spec import UnsupportedCheckpointError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/worker/conftest.py

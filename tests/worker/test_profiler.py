@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from triptych.slo_budgets import ProfilingError, latency_limit, search_budget
 from triptych.topology import InstanceType
-from triptych.worker.engine.profiler import ProfilingError, latency_limit, search_budget
 
 
 def test_binary_search_finds_the_exact_largest_budget() -> None:

@@ -11,57 +11,22 @@ whose measured step time stays under that limit.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from triptych.topology import InstanceType, Stage
+from triptych.slo_budgets import ALPHA, latency_limit, search_budget
+from triptych.topology import Stage
 
 if TYPE_CHECKING:
     from triptych.worker.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
-ALPHA = 0.5
-TTFT_TYPES = frozenset({InstanceType.E, InstanceType.EP, InstanceType.P})
-
-
-class ProfilingError(ValueError):
-    """The SLO this instance type derives its budgets from is missing."""
-
-
 @dataclass(frozen=True)
 class Budgets:
     token_budget: int | None
     image_budget: int | None
     latency_limit_s: float
-
-
-def latency_limit(role: InstanceType, ttft_slo_s: float | None, tbt_slo_s: float | None,
-                  alpha: float = ALPHA) -> float:
-    """The step-time limit of Alg. 1 lines 1-4."""
-    if role in TTFT_TYPES:
-        if ttft_slo_s is None:
-            raise ProfilingError(f"a {role.value} instance derives its budgets from the TTFT SLO; none given")
-        return alpha * ttft_slo_s
-    if tbt_slo_s is None:
-        raise ProfilingError(f"a {role.value} instance derives its budgets from the TBT SLO; none given")
-    return tbt_slo_s
-
-
-def search_budget(cost: Callable[[int], float], limit: float, lo: int = 1, hi: int = 8192) -> int:
-    """Largest b in [lo, hi] with cost(b) <= limit, assuming cost is non-decreasing; lo - 1
-    when even cost(lo) is over the limit. Calls cost O(log(hi - lo)) times."""
-    if hi < lo:
-        raise ValueError(f"empty search range [{lo}, {hi}]")
-    best = lo - 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if cost(mid) <= limit:
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
-    return best
 
 
 def profile_budgets(engine: Engine, *, ttft_slo_s: float | None, tbt_slo_s: float | None,
