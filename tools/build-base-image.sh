@@ -7,7 +7,7 @@
 #   usage: tools/build-base-image.sh [IMAGE]     (default triptych-base:bookworm)
 set -euo pipefail
 image="${1:-${TRIPTYCH_BASE_IMAGE:-triptych-base:bookworm}}"
-cache="${TRIPTYCH_CACHE:-$HOME/.cache/triptych}/docker"
+cache="${TRIPTYCH_TOOLS_CACHE:-$HOME/.cache/triptych}/docker"
 tarball="$cache/debian-bookworm-python3-rootfs.tar.gz"
 ca="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
 log() { echo "[build-base-image] $*" >&2; }

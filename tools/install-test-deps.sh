@@ -5,11 +5,12 @@
 # it skip with a reason. Run by the README's test command; safe to run again (everything
 # already present is kept; the base image is cached under ~/.cache/triptych).
 #   TRIPTYCH_SKIP_TEST_DEPS=1  skip everything (e.g. on a workstation you do not own)
+#   TRIPTYCH_TOOLS_CACHE=DIR   where helm and the base image tarball go (default ~/.cache/triptych)
 set -u
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # The project's venv has pip even where the system python3 has none.
 py="$here/../.venv/bin/python"; [ -x "$py" ] || py=python3
-cache="${TRIPTYCH_CACHE:-$HOME/.cache/triptych}"
+cache="${TRIPTYCH_TOOLS_CACHE:-$HOME/.cache/triptych}"
 missing=()
 log() { echo "[install-test-deps] $*" >&2; }
 
