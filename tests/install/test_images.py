@@ -16,6 +16,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -32,7 +33,8 @@ OPERATOR_TAG = "triptych-operator:test"
 CONTEXT_ITEMS = ("pyproject.toml", "setup.py", "README.md", ".dockerignore", "Dockerfile.worker",
                  "Dockerfile.operator", "triptych", "worker", "router", "operator", "tools/requirements")
 
-pytestmark = pytest.mark.docker
+# Cold builds take many minutes (pip installs torch, NIXL, transformers); warm ones reuse layers.
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(3600)]
 
 
 def _docker_ok() -> str | None:
@@ -91,14 +93,19 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict]
         (context / "wheels").mkdir()
         shutil.copy2(wheel, context / "wheels" / wheel.name)
         build_args += ["--build-arg", "TORCH_CPU_INDEX="]
-    report: dict[str, dict] = {}
-    for tag, dockerfile, args in ((WORKER_TAG, "Dockerfile.worker", build_args),
-                                  (OPERATOR_TAG, "Dockerfile.operator", ["--build-arg", f"BASE_IMAGE={BASE_IMAGE}"])):
+    def build(tag: str, dockerfile: str, args: list[str]) -> dict:
         start = time.monotonic()
         docker("build", "--network", "host", "-f", dockerfile, "-t", tag, *args, str(context), timeout=2400)
         inspect = json.loads(docker("image", "inspect", tag).stdout)[0]
-        report[tag] = {"build_s": round(time.monotonic() - start, 1), "size_mb": round(inspect["Size"] / 1e6),
-                       "config": inspect["Config"]}
+        return {"build_s": round(time.monotonic() - start, 1), "size_mb": round(inspect["Size"] / 1e6),
+                "config": inspect["Config"]}
+
+    # Both at once: a cold build mostly waits on downloads and disk.
+    with ThreadPoolExecutor(2) as pool:
+        futures = {WORKER_TAG: pool.submit(build, WORKER_TAG, "Dockerfile.worker", build_args),
+                   OPERATOR_TAG: pool.submit(build, OPERATOR_TAG, "Dockerfile.operator",
+                                             ["--build-arg", f"BASE_IMAGE={BASE_IMAGE}"])}
+        report = {tag: future.result() for tag, future in futures.items()}
     print("\nimage build report:", json.dumps({t: {k: v for k, v in r.items() if k != "config"}
                                                for t, r in report.items()}))
     yield report
