@@ -310,11 +310,17 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_lazy("triptych.worker.step_profile:cli_main"))
 
 
+def _add_dashboards(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dashboards", help="write the Grafana dashboards (JSON) into a directory")
+    p.add_argument("--out", required=True, help="e.g. deploy/dashboards")
+    p.set_defaults(func=_lazy("triptych.dashboards:cli_main"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triptych", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_make_tiny_model, _add_generate, _add_bench, _add_worker, _add_router,
-                _add_serve, _add_operator, _add_planner, _add_profile):
+                _add_serve, _add_operator, _add_planner, _add_profile, _add_dashboards):
         add(sub)
     return parser
 
