@@ -78,5 +78,5 @@ when enabled. tests/install/test_chart.py keeps the two in step.
 {{- define "triptych.peeringRule" -}}
 - apiGroups: ["kopf.dev"]
   resources: [{{ . | quote }}]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end -}}
