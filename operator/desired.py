@@ -2,9 +2,9 @@
 
 Pure: no I/O and no clock. The objects come from modules by concern: worker_objects.py
 (pools, workers Service), router_objects.py, policies.py (budgets, NetworkPolicy,
-ServiceMonitor), built from podspec.py and objmeta.py. The same resource always renders byte-identical objects, each
-carrying a hash of its own content (`triptych.dev/spec-hash`) so the reconcile pass
-(reconcile.py) writes only what changed.
+ServiceMonitor), built from podspec.py and objmeta.py. The same resource always renders
+byte-identical objects, each carrying a hash of its own content (`triptych.dev/spec-hash`)
+so the reconcile pass (reconcile.py) writes only what changed.
 
 Per deployment `m` in namespace `ns`:
   ConfigMap m-config (serving config), ServiceAccount + RoleBinding m-router (pod watch for

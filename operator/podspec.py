@@ -65,6 +65,16 @@ def base_env() -> list[Obj]:
             {"name": "TRIPTYCH_CACHE", "value": "/tmp/triptych"}]
 
 
+def token_env(owner: Owner, *keys: tuple[str, str]) -> list[Obj]:
+    """(env name, Secret key) pairs read from the deployment's tokens Secret: never in args or the CR."""
+    secret = names.tokens_secret_name(owner.name)
+    return [{"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}} for env, key in keys]
+
+
+INTERNAL_TOKEN_ENV = (names.ENV_INTERNAL_TOKEN, names.SECRET_KEY_INTERNAL_TOKEN)
+ADMIN_TOKEN_ENV = (names.ENV_ADMIN_TOKEN, names.SECRET_KEY_ADMIN_TOKEN)
+
+
 def ucx_env(spec: MLLMDeploymentSpec) -> list[Obj]:
     ucx = spec.transfer.ucx
     env = dict(sorted(ucx.env.items()))
@@ -78,7 +88,7 @@ def ucx_env(spec: MLLMDeploymentSpec) -> list[Obj]:
 
 def shared_volumes(owner: Owner, shm_size: str | int | None) -> tuple[list[Obj], list[Obj]]:
     volumes = [{"name": "config", "configMap": {"name": names.config_map_name(owner.name)}},
-               {"name": "tmp", "emptyDir": {}}]
+               {"name": "tmp", "emptyDir": {"sizeLimit": names.TMP_SIZE_LIMIT}}]
     mounts = [{"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True},
               {"name": "tmp", "mountPath": "/tmp"}]
     if shm_size is not None:  # the engine's shared-memory tensors (and NCCL/UCX) live in /dev/shm
@@ -117,3 +127,16 @@ def http_probe(path: str, period: int, failures: int) -> Obj:
 
 def tolerations(tolerations: list[Any]) -> list[Obj]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
+
+
+def worker_lifecycle() -> tuple[Obj, int]:
+    """The worker's preStop hook and its termination grace period.
+
+    The worker has no drain endpoint: it drains on SIGTERM (worker/server.py DrainingServer).
+    The preStop hook is the kubelet's built-in `sleep` action (no binary needed in the image):
+    it delays SIGTERM until the endpoints controller and the router's pod watch have seen the
+    pod terminate, so no new request is routed to a worker that is already draining. The grace
+    period covers that sleep, the worker's drain timeout and a margin for teardown.
+    """
+    grace = names.PRESTOP_SLEEP_S + names.WORKER_DRAIN_TIMEOUT_S + names.GRACE_MARGIN_S
+    return {"preStop": {"sleep": {"seconds": names.PRESTOP_SLEEP_S}}}, grace

@@ -6,6 +6,8 @@ from triptych.kube import names
 from triptych.operator.api import MLLMDeploymentSpec
 from triptych.operator.objmeta import Obj, Owner, common_labels, object_meta, router_selector
 from triptych.operator.podspec import (
+    ADMIN_TOKEN_ENV,
+    INTERNAL_TOKEN_ENV,
     add_model,
     base_env,
     http_probe,
@@ -14,6 +16,7 @@ from triptych.operator.podspec import (
     resources,
     security_context,
     shared_volumes,
+    token_env,
     tolerations,
 )
 
@@ -57,7 +60,9 @@ def router_deployment(owner: Owner, spec: MLLMDeploymentSpec) -> Obj:
         "name": "router", "image": router.image, "imagePullPolicy": router.image_pull_policy,
         "command": ["triptych", "router"], "args": router_args(owner, spec),
         "ports": [{"name": names.PORT_NAME, "containerPort": router.port, "protocol": "TCP"}],
-        "env": base_env(),
+        # The internal token for /internal/* calls to workers; the admin token so its holder
+        # (and the router's own admin views) can be checked.
+        "env": [*base_env(), *token_env(owner, INTERNAL_TOKEN_ENV, ADMIN_TOKEN_ENV)],
         "resources": resources(router.resources),
         "securityContext": security_context(),
         "volumeMounts": mounts,

@@ -6,6 +6,8 @@ from triptych.kube import names
 from triptych.operator.api import MLLMDeploymentSpec, WorkerPool
 from triptych.operator.objmeta import Obj, Owner, common_labels, object_meta, pool_selector, workers_selector
 from triptych.operator.podspec import (
+    ADMIN_TOKEN_ENV,
+    INTERNAL_TOKEN_ENV,
     add_model,
     base_env,
     http_probe,
@@ -14,8 +16,10 @@ from triptych.operator.podspec import (
     resources,
     security_context,
     shared_volumes,
+    token_env,
     tolerations,
     ucx_env,
+    worker_lifecycle,
 )
 
 
@@ -28,6 +32,7 @@ def worker_args(spec: MLLMDeploymentSpec, pool: WorkerPool) -> list[str]:
 
 
 def worker_deployment(owner: Owner, spec: MLLMDeploymentSpec, pool: WorkerPool, replicas: int) -> Obj:
+    lifecycle, grace = worker_lifecycle()
     volumes, mounts = shared_volumes(owner, pool.shm_size)
     init = add_model(spec, pool.image, pool.image_pull_policy, volumes, mounts)
     volumes += [v.model_dump(by_alias=True, exclude_none=True) for v in pool.volumes]
@@ -36,21 +41,24 @@ def worker_deployment(owner: Owner, spec: MLLMDeploymentSpec, pool: WorkerPool, 
         "name": "worker", "image": pool.image, "imagePullPolicy": pool.image_pull_policy,
         "command": ["triptych", "worker"], "args": worker_args(spec, pool),
         "ports": [{"name": names.PORT_NAME, "containerPort": pool.port, "protocol": "TCP"}],
-        "env": [*base_env(), *ucx_env(spec),
+        # Workers hold both tokens: the internal one for peers, the admin one to check /admin calls.
+        "env": [*base_env(), *token_env(owner, INTERNAL_TOKEN_ENV, ADMIN_TOKEN_ENV), *ucx_env(spec),
                 *(e.model_dump(by_alias=True, exclude_none=True) for e in pool.env)],
         "resources": resources(pool.resources),
         "securityContext": security_context(),
         "volumeMounts": mounts,
-        # Loading weights can take minutes: the startup probe holds liveness off until then.
-        "startupProbe": http_probe("/health", 10, 90),
+        # Liveness on /live: 200 while the process serves HTTP, also while it loads, drains or
+        # switches roles (/health is 503 then, and a slow switch would get the container killed).
+        "startupProbe": http_probe("/live", 10, 90),
         "readinessProbe": http_probe("/ready", 5, 3),
-        "livenessProbe": http_probe("/health", 10, 6),
+        "livenessProbe": http_probe("/live", 10, 6),
+        "lifecycle": lifecycle,
     }
     pod_spec: Obj = {
         "automountServiceAccountToken": False,  # workers never talk to the API server
         "enableServiceLinks": False,
         "securityContext": pod_security_context(),
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": grace,
         "containers": [container],
         "volumes": volumes,
     }

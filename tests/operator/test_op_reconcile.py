@@ -77,7 +77,8 @@ LAYOUTS = {
     "first-allowing-pool-wins": (tiny({"E": 1, "PD": 2}, pools=[{"name": "enc", "instanceTypes": ["E", "PD"]},
                                                                {"name": "llm", "instanceTypes": ["PD"]}]),
                                  {"enc": {"E": 1, "PD": 2}, "llm": {}}),
-    "ED+P-volume": ({"model": {"source": {"volume": {"nfs": {"server": "nfs.local", "path": "/export"}},
+    "ED+P-volume": ({"model": {"source": {"volume": {"csi": {"driver": "nfs.csi.k8s.io", "volumeAttributes": {
+                                              "server": "nfs.local", "share": "/export"}}},
                                           "path": "llava"}},
                      "topology": {"ED": 1, "P": 1},
                      "pools": [{"name": "w", "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
@@ -187,8 +188,8 @@ def test_worker_pods_are_locked_down_and_start_unassigned() -> None:
     assert args["--role"] == "unassigned" and args["--device"] == "cuda" and args["--instance-id"] == "$(POD_NAME)"
     assert args["--model"] == "/models/Qwen2-VL-7B-Instruct" and args["--transfer-require"] == "nixl"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/live"
+    assert c["startupProbe"]["httpGet"]["path"] == "/live"
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -246,7 +247,9 @@ def test_services_budgets_and_network_policy() -> None:
     assert {"podSelector": {"matchLabels": {names.LABEL_INSTANCE: "demo", names.LABEL_COMPONENT: "router"}}} in peers
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "triptych-system"}},
             "podSelector": {"matchLabels": {names.LABEL_NAME: names.OPERATOR_NAME}}} in peers
-    assert len(peers) == 3  # nobody else
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}} in peers  # the scrapers
+    assert len(peers) == 4  # nobody else
 
 
 def test_optional_objects_follow_facts_and_spec() -> None:
