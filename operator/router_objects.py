@@ -20,17 +20,25 @@ from triptych.operator.podspec import (
     tolerations,
 )
 
+# What the router's discovery (router/k8s_discovery.py) does: list and watch pods in its own
+# namespace. A namespaced Role per deployment, not a ClusterRole: no install mode needs
+# cluster-scoped RBAC for the router, and the operator may create it because it holds
+# these verbs itself (RBAC's escalation check).
+ROUTER_RULES: list[Obj] = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch"]}]
+
 
 def router_rbac(owner: Owner) -> list[Obj]:
     name = names.router_name(owner.name)
     account = {"apiVersion": "v1", "kind": "ServiceAccount",
                "metadata": object_meta(owner, name, names.COMPONENT_ROUTER)}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": object_meta(owner, name, names.COMPONENT_ROUTER),
+            "rules": [dict(rule) for rule in ROUTER_RULES]}
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
                "metadata": object_meta(owner, name, names.COMPONENT_ROUTER),
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                           "name": names.ROUTER_CLUSTER_ROLE},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]}
-    return [account, binding]
+    return [account, role, binding]
 
 
 def router_args(owner: Owner, spec: MLLMDeploymentSpec) -> list[str]:

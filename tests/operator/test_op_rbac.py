@@ -26,7 +26,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CRDS = DEPLOY.parent / "crds"
 CHILDREN = ("v1/configmaps", "v1/services", "v1/serviceaccounts", "apps/v1/deployments",
             "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies",
-            "rbac.authorization.k8s.io/v1/rolebindings", "monitoring.coreos.com/v1/servicemonitors")
+            "rbac.authorization.k8s.io/v1/roles", "rbac.authorization.k8s.io/v1/rolebindings",
+            "monitoring.coreos.com/v1/servicemonitors")
 
 
 def cluster_role(path: Path, name: str) -> list[dict[str, Any]]:

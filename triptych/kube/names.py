@@ -22,7 +22,6 @@ SHORT_NAMES = ("mllm",)
 
 FIELD_MANAGER = "triptych-operator"
 OPERATOR_NAME = "triptych-operator"
-ROUTER_CLUSTER_ROLE = "triptych-router"
 
 # --- pod and object labels (DESIGN.md "Names to keep") --------------------------------------
 LABEL_NAME = "app.kubernetes.io/name"
