@@ -214,6 +214,9 @@ class Cluster:
         self.workers: dict[str, FakeWorker] = {}  # pod name -> fake worker
         self._ips = (f"127.0.0.{i}" for i in itertools.count(2))
         self._pod_ids = itertools.count(1)
+        # False: pods are Ready at creation. True: the kubelet's readiness probe follows the
+        # worker's /ready (false while unassigned), applied by sync_readiness().
+        self.ready_follows_worker = False
 
     async def request(self, method: str, path: str, body: Any = None,
                       content_type: str = "application/json") -> dict[str, Any]:
@@ -279,7 +282,19 @@ class Cluster:
             "metadata": {"name": name, "namespace": NS, "labels": dict(template["metadata"]["labels"])},
             "spec": template["spec"],
             "status": {"phase": "Running", "podIP": ip,
-                       "conditions": [{"type": "Ready", "status": "True"}]}})
+                       "conditions": [{"type": "Ready", "status": "False" if self.ready_follows_worker else "True"}]}})
+
+    async def sync_readiness(self) -> None:
+        """Play the kubelet's readiness probe: a pod is Ready when its worker serves a role."""
+        for name, pod in self.pods().items():
+            worker = self.workers.get(name)
+            if worker is None:
+                continue
+            ready = "True" if worker.role != "unassigned" else "False"
+            if pod["status"]["conditions"][0]["status"] != ready:
+                await self.request("PATCH", f"/api/v1/namespaces/{NS}/pods/{name}",
+                                   {"status": {"conditions": [{"type": "Ready", "status": ready}]}},
+                                   "application/merge-patch+json")
 
     def admin_token(self, deployment: str) -> str | None:
         """The admin token in the deployment's tokens Secret (what the worker pods get)."""
