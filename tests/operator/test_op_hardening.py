@@ -172,3 +172,18 @@ def test_an_exposed_router_needs_api_keys_unless_opted_out(service_type: str) ->
     keyed = tiny({"EPD": 1}, router={"serviceType": service_type, "apiKeysSecretRef": {"name": "keys"}})
     parse_spec(keyed, name="demo")
     parse_spec(tiny({"EPD": 1}, router={"serviceType": "ClusterIP"}), name="demo")
+
+
+# --- offline validation of the rendered children -------------------------------------------
+
+def test_offline_validation_names_the_object_and_the_field() -> None:
+    from triptych.operator.validation import invalid_objects
+
+    desired = render(tiny({"EPD": 1}, pools=[{"name": "w", "affinity": {"podAntiAffinity": {"bogus": []}}}]))
+    assert invalid_objects(render(LAYOUTS["E+P+D-gpu"][0]).objects) == []
+    (problem,) = invalid_objects(desired.objects)
+    assert problem.startswith("Deployment demo-w: spec.template.spec.affinity.podAntiAffinity") and "bogus" in problem
+    assert invalid_objects(desired.objects) == [problem]  # cached by content hash: same answer
+    broken = copy.deepcopy(desired.by_kind("Deployment")["demo-w"])
+    broken["metadata"]["annotations"].pop(names.ANNOTATION_SPEC_HASH)  # uncached path
+    assert invalid_objects([broken]) == [problem]
