@@ -4,7 +4,7 @@
   timer                            full pass every `timer_interval` (catches missed events
                                    and hand edits of children, see drift.py)
   worker pod events                roles + status pass for the pod's deployment
-  deleted (event)                   nothing to undo (children carry owner references); no
+  deleted (event)                  nothing to undo (children carry owner references); no
                                    finalizer, so deletion never waits for the operator
 
 `register` binds the handlers to a registry so tests can run a fresh operator per test.
@@ -46,7 +46,8 @@ def _timers_without_finalizer(registry: kopf.OperatorRegistry) -> None:
     goes; with it, a resource cannot be deleted while no operator runs. Our timer needs no
     such stop (a pass over a resource that is gone does nothing) and is stopped by its `when`
     filter once the DELETED event is seen, so the finalizer is turned off here (kopf's
-    `on.timer` has no switch for it)."""
+    `on.timer` has no switch for it). This touches kopf's registry internals (kopf is pinned);
+    tests/operator/test_op_integration.py fails if a finalizer appears again."""
     spawning = registry._spawning
     # The only spawning handler registered is the timer (no daemons).
     spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers]
