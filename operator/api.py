@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.alias_generators import to_camel
 
 from triptych.kube import names
+from triptych.operator.safety import safety_problems
 from triptych.topology import InstanceType, TopologyError, format_topology, validate_coverage
 
 Family = Literal["qwen2-vl", "qwen2.5-vl", "llava"]
@@ -50,7 +51,7 @@ class ModelSource(Model):
     path: str | None = Field(None, description="checkpoint directory: relative to the volume when pvc or "
                              "volume is set, else an absolute path inside the image")
     pvc: str | None = Field(None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", description="PVC name")
-    volume: Opaque | None = Field(None, description="a Kubernetes volume source, e.g. {nfs: {...}}")
+    volume: Opaque | None = Field(None, description="a Kubernetes volume source, e.g. {csi: {...}} (allowed types: operator/safety.py)")
     tiny: Family | None = Field(None, description="build a tiny random-weight checkpoint of this family")
 
     @model_validator(mode="after")
@@ -133,7 +134,8 @@ class WorkerPool(Model):
     volumes: list[Volume] = Field(default_factory=list)
     volume_mounts: list[VolumeMount] = Field(default_factory=list)
     shm_size: Quantity = "1Gi"
-    max_unavailable: int = Field(1, ge=0, description="PodDisruptionBudget maxUnavailable")
+    # >= 1: a budget of 0 would block every node drain forever.
+    max_unavailable: int = Field(1, ge=1, description="PodDisruptionBudget maxUnavailable (at least 1)")
 
     @property
     def uses_gpu(self) -> bool:
@@ -155,6 +157,8 @@ class RouterSpec(Model):
     resources: ResourceRequirements = Field(default_factory=_router_resources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
+    allow_unauthenticated: bool = Field(False, description="serve a NodePort/LoadBalancer router without "
+                                        "apiKeysSecretRef (refused unless set)")
 
 
 class UCXConfig(Model):
@@ -206,11 +210,23 @@ class AutoscalingConfig(Model):
 class NetworkPolicyConfig(Model):
     enabled: bool = True
     additional_ingress: list[Opaque] = Field(
-        default_factory=list, description="extra NetworkPolicyPeers allowed to reach workers (e.g. Prometheus)")
+        default_factory=list, description="extra NetworkPolicyPeers allowed to reach the workers' http port")
+    additional_egress: list[Opaque] = Field(
+        default_factory=list, description="extra NetworkPolicyPeers workers may connect to (besides their "
+        "peers and DNS)")
+
+
+def _default_scrapers() -> list[dict[str, Any]]:
+    return [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+             "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]
 
 
 class MonitoringConfig(Model):
-    service_monitor: bool = Field(True, description="create a ServiceMonitor when its CRD is installed")
+    service_monitor: bool = Field(True, description="monitoring on: create a ServiceMonitor when its CRD is "
+                                  "installed and let `scrapers` reach the workers' /metrics")
+    scrapers: list[Opaque] = Field(
+        default_factory=_default_scrapers, description="NetworkPolicyPeers allowed to scrape the workers "
+        "(default: pods app.kubernetes.io/name=prometheus in namespace monitoring)")
     interval: str = Field("30s", pattern=r"^[0-9]+(ms|s|m|h)$")
 
 
@@ -345,6 +361,7 @@ def spec_problems(spec: MLLMDeploymentSpec, *, name: str) -> list[str]:
     if sched.budgets == "Fixed" and (sched.token_budget is None or sched.image_budget is None):
         problems.append("spec.scheduling: budgets=Fixed needs tokenBudget and imageBudget")
     problems += _autoscaling_problems(spec)
+    problems += safety_problems(spec)
     return problems
 
 

@@ -18,6 +18,7 @@ from triptych.kube.client import SERVICE_MONITOR, Credentials, KubeClient
 from triptych.operator.desired import ClusterFacts
 from triptych.operator.workers import WorkerAdmin
 
+GONE_MEMORY = 10_000  # deleted resources remembered (uids are never reused)
 EventFn = Callable[[Mapping[str, Any], str, str, str], None]
 
 
@@ -44,6 +45,7 @@ class OperatorContext:
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     _queued: dict[tuple[str, str], set[str]] = field(default_factory=dict)
     _facts: tuple[float, ClusterFacts] | None = None
+    _gone: dict[str, None] = field(default_factory=dict)  # uids of deleted resources (an ordered set)
 
     @property
     def kube(self) -> KubeClient:
@@ -65,9 +67,17 @@ class OperatorContext:
         """Kinds of passes ("full", "roles") waiting for the lock of one deployment."""
         return self._queued.setdefault((namespace, name), set())
 
-    def forget(self, namespace: str, name: str) -> None:
+    def forget(self, namespace: str, name: str, *, uid: str | None = None) -> None:
+        """The resource is gone: drop its lock and, given its uid, stop its timer (is_gone)."""
         self._locks.pop((namespace, name), None)
         self._queued.pop((namespace, name), None)
+        if uid is not None:
+            if len(self._gone) >= GONE_MEMORY:
+                self._gone.pop(next(iter(self._gone)))
+            self._gone[uid] = None
+
+    def is_gone(self, uid: str) -> bool:
+        return uid in self._gone
 
     async def facts(self) -> ClusterFacts:
         now = time.monotonic()

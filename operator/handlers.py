@@ -4,14 +4,15 @@
   timer                            full pass every `timer_interval` (catches missed events
                                    and hand edits of children, see drift.py)
   worker pod events                roles + status pass for the pod's deployment
-  delete                           nothing to undo (children carry owner references); the
-                                   handler's finalizer is released once it returns
+  deleted (event)                  nothing to undo (children carry owner references); no
+                                   finalizer, so deletion never waits for the operator
 
 `register` binds the handlers to a registry so tests can run a fresh operator per test.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -40,6 +41,18 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.event_name_prefix = "triptych-"
 
 
+def _timers_without_finalizer(registry: kopf.OperatorRegistry) -> None:
+    """kopf gives every timer a finalizer, so that it can stop the timer before the resource
+    goes; with it, a resource cannot be deleted while no operator runs. Our timer needs no
+    such stop (a pass over a resource that is gone does nothing) and is stopped by its `when`
+    filter once the DELETED event is seen, so the finalizer is turned off here (kopf's
+    `on.timer` has no switch for it). This touches kopf's registry internals (kopf is pinned);
+    tests/operator/test_op_integration.py fails if a finalizer appears again."""
+    spawning = registry._spawning
+    # The only spawning handler registered is the timer (no daemons).
+    spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers]
+
+
 async def _full_pass(ctx: OperatorContext, body: Any) -> None:
     try:
         await reconcile(ctx, body["metadata"]["namespace"], body["metadata"]["name"], apply_children=True)
@@ -62,15 +75,22 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
     async def reconcile_deployment(body: kopf.Body, **_: Any) -> None:
         await _full_pass(ctx, body)
 
+    # `when`: a deleted resource's timer stops at its DELETED event (no finalizer, see below).
     @kopf.timer(*RESOURCE, interval=ctx.config.timer_interval, initial_delay=ctx.config.timer_interval,
-                registry=registry)
+                when=lambda body, **_: not ctx.is_gone(body["metadata"]["uid"]), registry=registry)
     async def periodic(body: kopf.Body, **_: Any) -> None:
         await _full_pass(ctx, body)
 
-    @kopf.on.delete(*RESOURCE, registry=registry)
-    async def deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-        ctx.forget(body["metadata"]["namespace"], body["metadata"]["name"])
-        logger.info("deleted; owner references let the garbage collector remove the children")
+    # An event handler, not `on.delete`: a deletion handler makes kopf put a finalizer on
+    # every resource, and then a resource cannot be deleted while the operator is down.
+    # Nothing needs undoing (children carry owner references); kopf also removes the
+    # finalizer that earlier versions added, as no handler needs it any more.
+    @kopf.on.event(*RESOURCE, registry=registry)
+    async def deleted(event: kopf.RawEvent, body: kopf.Body, **_: Any) -> None:
+        if event.get("type") == "DELETED":  # runs before kopf re-matches the timer's filter
+            ctx.forget(body["metadata"]["namespace"], body["metadata"]["name"], uid=body["metadata"]["uid"])
+
+    _timers_without_finalizer(registry)
 
     worker_labels = {names.LABEL_DEPLOYMENT: kopf.PRESENT, names.LABEL_COMPONENT: names.COMPONENT_WORKER}
 

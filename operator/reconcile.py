@@ -1,13 +1,18 @@
 """One reconcile pass over an MLLMDeployment: the I/O around the pure functions.
 
 Order matters:
-  1. validate the spec (invalid: status InvalidSpec + Event, nothing else is touched);
-  2. plan roles per pool from the live pods (roles.plan_pool);
-  3. mark pods to remove with a low deletion cost - before the replica count drops;
-  4. apply child objects that are missing, changed in the spec (hash) or edited by hand
+  1. validate the spec, then every rendered child offline against the Kubernetes schemas
+     (validation.py; invalid: status InvalidSpec + Event, nothing else is touched);
+  2. make sure the deployment's tokens Secret exists (tokens.py; created once, never rewritten);
+  3. ask every worker's /health which role it serves; a pod whose label claims another role
+     (its container restarted: it is unassigned again) is relabelled to what it serves, so
+     the plan re-assigns it and the status is not Ready meanwhile;
+  4. plan roles per pool from the live pods (roles.plan_pool);
+  5. mark pods to remove with a low deletion cost - before the replica count drops;
+  6. apply child objects that are missing, changed in the spec (hash) or edited by hand
      (drift.py), prune children no longer desired;
-  5. switch roles: worker admin endpoint first, then the pod's role labels;
-  6. write the status if it changed (merge patch on the status subresource).
+  7. switch roles: worker admin endpoint (with the admin token) first, then the pod's labels;
+  8. write the status if it changed (merge patch on the status subresource).
 Every write is skipped when the object already says what we would write, so a pass over a
 settled deployment (e.g. after an operator restart) makes no writes at all.
 """
@@ -29,6 +34,7 @@ from triptych.kube.client import (
     NETWORK_POLICY,
     PDB,
     POD,
+    ROLE,
     ROLE_BINDING,
     SERVICE,
     SERVICE_ACCOUNT,
@@ -42,15 +48,17 @@ from triptych.operator.desired import Desired, Owner, desired_objects
 from triptych.operator.drift import differences
 from triptych.operator.roles import PoolPlan, RoleChange, WorkerPod, plan_pool, role_labels
 from triptych.operator.status import Observation, compute_status, merge_patch, transition
-from triptych.operator.workers import RoleSwitchError
-from triptych.topology import InstanceType
+from triptych.operator.tokens import ensure_tokens
+from triptych.operator.validation import invalid_objects
+from triptych.operator.workers import RoleSwitchError, WorkerHealth
+from triptych.topology import UNASSIGNED, InstanceType
 
 logger = logging.getLogger(__name__)
 Obj = dict[str, Any]
 
 # Children in apply order (config and identity before the pods that use them). Prunable
 # kinds are the ones whose set of objects changes with the spec (pools, toggles).
-CHILD_KINDS: tuple[Kind, ...] = (CONFIG_MAP, SERVICE_ACCOUNT, ROLE_BINDING, SERVICE, DEPLOYMENT, PDB,
+CHILD_KINDS: tuple[Kind, ...] = (CONFIG_MAP, SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, DEPLOYMENT, PDB,
                                  NETWORK_POLICY, SERVICE_MONITOR)
 PRUNABLE: frozenset[str] = frozenset({"Deployment", "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor"})
 
@@ -81,14 +89,25 @@ async def _reconcile_locked(ctx: OperatorContext, body: Mapping[str, Any], *, ap
         return
     owner = Owner(name=name, namespace=namespace, uid=meta["uid"])
     desired = desired_objects(owner, spec, await ctx.facts())
+    # Off the event loop: a first check of a new spec takes ~0.5 s (schemas load, then cached).
+    refused = await asyncio.to_thread(invalid_objects, desired.objects)
+    if refused:  # the API server would refuse these: apply nothing rather than half the deployment
+        await _write_status(ctx, body, Observation(generation, invalid=tuple(refused)))
+        return
+    token, created = await ensure_tokens(ctx.kube, owner)
+    if created:
+        ctx.emit(body, "Normal", "TokensCreated", f"Secret {names.tokens_secret_name(name)}")
 
     raw_pods = await ctx.kube.list(POD, namespace, names.worker_selector(name))
-    pods = {pool: [worker_pod(p) for p in raw_pods if _pool_of(p) == pool] for pool in desired.pool_counts}
+    health = await _worker_health(ctx, raw_pods, token)
+    await _relabel_drifted(ctx, body, raw_pods, health)
+    pods = {pool: [worker_pod(p, health.get(p["metadata"]["name"])) for p in raw_pods if _pool_of(p) == pool]
+            for pool in desired.pool_counts}
     plans = {pool: plan_pool(desired.pool_counts[pool], pods[pool]) for pool in desired.pool_counts}
 
     await _mark_removals(ctx, body, plans)
     listed = await _apply_children(ctx, body, owner, desired) if apply_children else {}
-    done, failures = await _change_roles(ctx, body, plans, {p["metadata"]["name"]: p for p in raw_pods})
+    done, failures = await _change_roles(ctx, body, plans, {p["metadata"]["name"]: p for p in raw_pods}, token)
 
     marked = {pod for plan in plans.values() for pod in plan.remove}
     unmarked = {pod for plan in plans.values() for pod in plan.unmark}
@@ -111,17 +130,53 @@ def _pool_of(pod: Mapping[str, Any]) -> str | None:
     return (pod.get("metadata", {}).get("labels") or {}).get(names.LABEL_POOL)
 
 
-def worker_pod(pod: Mapping[str, Any]) -> WorkerPod:
-    """The planner's view of a pod object."""
+def _label_role(pod: Mapping[str, Any]) -> InstanceType | None:
+    label = (pod.get("metadata", {}).get("labels") or {}).get(names.LABEL_ROLE)
+    return InstanceType(label) if label in InstanceType.__members__ else None
+
+
+def served_role(health: WorkerHealth | None, label: InstanceType | None) -> InstanceType | None:
+    """The role a worker serves: what its /health reports, else (no answer, or a role name
+    this operator does not know) what its label says."""
+    if health is None:
+        return label
+    if health.role == UNASSIGNED:
+        return None
+    return InstanceType(health.role) if health.role in InstanceType.__members__ else label
+
+
+def worker_pod(pod: Mapping[str, Any], health: WorkerHealth | None = None) -> WorkerPod:
+    """The planner's view of a pod object (and of its worker's /health answer)."""
     meta, status = pod.get("metadata", {}), pod.get("status") or {}
-    label = (meta.get("labels") or {}).get(names.LABEL_ROLE)
-    role = InstanceType(label) if label in InstanceType.__members__ else None
     conditions = status.get("conditions") or []
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
     marked = (meta.get("annotations") or {}).get(names.ANNOTATION_DELETION_COST) == names.REMOVAL_DELETION_COST
-    return WorkerPod(name=meta["name"], role=role, ready=ready, ip=status.get("podIP"),
-                     created=meta.get("creationTimestamp") or "", terminating=bool(meta.get("deletionTimestamp")),
-                     marked=marked)
+    return WorkerPod(name=meta["name"], role=served_role(health, _label_role(pod)), ready=ready,
+                     ip=status.get("podIP"), created=meta.get("creationTimestamp") or "",
+                     terminating=bool(meta.get("deletionTimestamp")), marked=marked,
+                     up=health is not None and health.up)
+
+
+async def _worker_health(ctx: OperatorContext, raw_pods: list[Obj], token: str | None) -> dict[str, WorkerHealth]:
+    """/health of every running worker, concurrently (each bounded by workers.HEALTH_TIMEOUT_S)."""
+    live = [p for p in raw_pods if (p.get("status") or {}).get("podIP") and not p["metadata"].get("deletionTimestamp")]
+    answers = await asyncio.gather(*(ctx.workers.health(p["status"]["podIP"], _pod_port(p), token) for p in live))
+    return {p["metadata"]["name"]: h for p, h in zip(live, answers, strict=True) if h is not None}
+
+
+async def _relabel_drifted(ctx: OperatorContext, body: Mapping[str, Any], raw_pods: list[Obj],
+                           health: Mapping[str, WorkerHealth]) -> None:
+    """Make each pod's role label say what its worker serves (a restarted container comes back
+    unassigned under its old label); the plan then gives the role to a pod again."""
+    for pod in raw_pods:
+        name = pod["metadata"]["name"]
+        label = _label_role(pod)
+        served = served_role(health.get(name), label)
+        if served == label:
+            continue
+        await ctx.kube.patch(POD, body["metadata"]["namespace"], name, {"metadata": {"labels": role_labels(served)}})
+        ctx.emit(body, "Warning", "RoleDrift", f"{name}: labelled {label.value if label else UNASSIGNED} but its "
+                 f"worker serves {served.value if served else UNASSIGNED} (restarted?); relabelled")
 
 
 def _after(pod: WorkerPod, role: InstanceType | None, marked: set[str], unmarked: set[str]) -> WorkerPod:
@@ -154,20 +209,21 @@ async def _mark_removals(ctx: OperatorContext, body: Mapping[str, Any], plans: M
 
 
 async def _change_roles(ctx: OperatorContext, body: Mapping[str, Any], plans: Mapping[str, PoolPlan],
-                        raw_pods: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, InstanceType], list[str]]:
+                        raw_pods: Mapping[str, Mapping[str, Any]],
+                        token: str | None) -> tuple[dict[str, InstanceType], list[str]]:
     changes = [c for plan in plans.values() for c in plan.changes]
-    results = await asyncio.gather(*(_change_role(ctx, body, c, raw_pods[c.pod]) for c in changes))
+    results = await asyncio.gather(*(_change_role(ctx, body, c, raw_pods[c.pod], token) for c in changes))
     done = {c.pod: c.new for c, error in zip(changes, results, strict=True) if error is None}
     return done, [e for e in results if e is not None]
 
 
 async def _change_role(ctx: OperatorContext, body: Mapping[str, Any], change: RoleChange,
-                       pod: Mapping[str, Any]) -> str | None:
+                       pod: Mapping[str, Any], token: str | None) -> str | None:
     """Switch one worker, then relabel its pod; returns an error message or None."""
     namespace = body["metadata"]["namespace"]
     old = change.old.value if change.old else "unassigned"
     try:
-        await ctx.workers.set_role(pod["status"]["podIP"], _pod_port(pod), change.new)
+        await ctx.workers.set_role(pod["status"]["podIP"], _pod_port(pod), change.new, token)
     except RoleSwitchError as e:
         message = f"{change.pod}: {old} -> {change.new.value} failed: {e}"
         ctx.emit(body, "Warning", "RoleAssignmentFailed", message)

@@ -30,10 +30,13 @@ class WorkerPod:
     created: str = ""  # creationTimestamp (RFC 3339 sorts as text)
     terminating: bool = False
     marked: bool = False  # carries our removal deletion cost
+    up: bool = False  # its worker's /health answered "ok" or "unassigned" in this pass
 
     @property
     def assignable(self) -> bool:
-        return self.ready and bool(self.ip) and not self.terminating
+        # An unassigned worker is not Ready (its /ready is false until it serves a role), so
+        # a pod whose worker answers /health as up can take a role too.
+        return (self.ready or self.up) and bool(self.ip) and not self.terminating
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,6 @@ def llmd_role(role: InstanceType | None) -> str | None:
     return names.LLMD_ROLES.get(role) if role is not None else None
 
 
-def role_labels(role: InstanceType) -> dict[str, str | None]:
-    """The labels a pod carries for `role` (None removes a label in a merge patch)."""
-    return {names.LABEL_ROLE: role.value, names.LABEL_LLMD_ROLE: llmd_role(role)}
+def role_labels(role: InstanceType | None) -> dict[str, str | None]:
+    """The labels a pod carries for `role`, None = unassigned (None removes a label in a merge patch)."""
+    return {names.LABEL_ROLE: role.value if role else None, names.LABEL_LLMD_ROLE: llmd_role(role)}

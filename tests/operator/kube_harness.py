@@ -9,8 +9,9 @@ subclass adds the few API-server behaviours the operator relies on:
   - `generateName`, uid, resourceVersion, creationTimestamp and metadata.generation.
 The tests then play the ReplicaSet controller (create pods from a Deployment's template,
 delete the lowest pod-deletion-cost pods on scale-down) and the kubelet (podIP, Ready).
-A small aiohttp server on 127.0.0.N stands in for each pod's worker (`/health`,
-`/admin/role`), so role assignment goes through real HTTP.
+A small aiohttp server on 127.0.0.N stands in for each pod's worker (`/health`, `/ready`,
+`/admin/role`, which requires the admin token from the deployment's Secret), so role
+assignment goes through real HTTP.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ RESOURCES: dict[str, tuple[str, bool, set[str]]] = {
     "v1/configmaps": ("ConfigMap", True, set()),
     "v1/services": ("Service", True, set()),
     "v1/serviceaccounts": ("ServiceAccount", True, set()),
+    "rbac.authorization.k8s.io/v1/roles": ("Role", True, set()),
     "rbac.authorization.k8s.io/v1/rolebindings": ("RoleBinding", True, set()),
+    "v1/secrets": ("Secret", True, set()),
     "apps/v1/deployments": ("Deployment", True, set()),
     "policy/v1/poddisruptionbudgets": ("PodDisruptionBudget", True, set()),
     "networking.k8s.io/v1/networkpolicies": ("NetworkPolicy", True, set()),
@@ -157,11 +160,13 @@ class FakeWorker:
     calls: list[str] = field(default_factory=list)
     refuse: bool = False
     runner: aiohttp.web.AppRunner | None = None
+    admin_token: Callable[[], str | None] = lambda: None  # the token /admin/* requires (None: no auth)
+    auth: list[str | None] = field(default_factory=list)  # Authorization header of each /admin/role call
 
     async def start(self) -> None:
         app = aiohttp.web.Application()
         app.router.add_get("/health", self._health)
-        app.router.add_get("/ready", self._health)
+        app.router.add_get("/ready", self._ready)
         app.router.add_post("/admin/role", self._set_role)
         self.runner = aiohttp.web.AppRunner(app)
         await self.runner.setup()
@@ -172,9 +177,19 @@ class FakeWorker:
             await self.runner.cleanup()
 
     async def _health(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
-        return aiohttp.web.json_response({"status": "ok", "role": self.role})
+        return aiohttp.web.json_response({"status": "unassigned" if self.role == "unassigned" else "ok",
+                                          "role": self.role})
+
+    async def _ready(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        ready = self.role != "unassigned"  # as issue 8 asks of the worker: unassigned is not ready
+        return aiohttp.web.json_response({"ready": ready, "role": self.role}, status=200 if ready else 503)
 
     async def _set_role(self, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        header = request.headers.get("Authorization")
+        self.auth.append(header)
+        token = self.admin_token()
+        if token is not None and header != f"Bearer {token}":
+            return aiohttp.web.json_response({"error": "unauthorized"}, status=401)
         role = (await request.json())["role"]
         self.calls.append(role)
         if self.refuse:
@@ -199,6 +214,9 @@ class Cluster:
         self.workers: dict[str, FakeWorker] = {}  # pod name -> fake worker
         self._ips = (f"127.0.0.{i}" for i in itertools.count(2))
         self._pod_ids = itertools.count(1)
+        # False: pods are Ready at creation. True: the kubelet's readiness probe follows the
+        # worker's /ready (false while unassigned), applied by sync_readiness().
+        self.ready_follows_worker = False
 
     async def request(self, method: str, path: str, body: Any = None,
                       content_type: str = "application/json") -> dict[str, Any]:
@@ -254,7 +272,8 @@ class Cluster:
     async def _create_pod(self, dep: dict[str, Any]) -> None:
         name = f"{dep['metadata']['name']}-{next(self._pod_ids):03d}"
         ip = next(self._ips)
-        worker = FakeWorker(ip, self.worker_port)
+        deployment = dep["metadata"]["labels"][names.LABEL_DEPLOYMENT]
+        worker = FakeWorker(ip, self.worker_port, admin_token=lambda: self.admin_token(deployment))
         await worker.start()
         self.workers[name] = worker
         template = dep["spec"]["template"]
@@ -263,7 +282,25 @@ class Cluster:
             "metadata": {"name": name, "namespace": NS, "labels": dict(template["metadata"]["labels"])},
             "spec": template["spec"],
             "status": {"phase": "Running", "podIP": ip,
-                       "conditions": [{"type": "Ready", "status": "True"}]}})
+                       "conditions": [{"type": "Ready", "status": "False" if self.ready_follows_worker else "True"}]}})
+
+    async def sync_readiness(self) -> None:
+        """Play the kubelet's readiness probe: a pod is Ready when its worker serves a role."""
+        for name, pod in self.pods().items():
+            worker = self.workers.get(name)
+            if worker is None:
+                continue
+            ready = "True" if worker.role != "unassigned" else "False"
+            if pod["status"]["conditions"][0]["status"] != ready:
+                await self.request("PATCH", f"/api/v1/namespaces/{NS}/pods/{name}",
+                                   {"status": {"conditions": [{"type": "Ready", "status": ready}]}},
+                                   "application/merge-patch+json")
+
+    def admin_token(self, deployment: str) -> str | None:
+        """The admin token in the deployment's tokens Secret (what the worker pods get)."""
+        secret = self.api.get("v1/secrets", names.tokens_secret_name(deployment))
+        raw = (secret or {}).get("data", {}).get(names.SECRET_KEY_ADMIN_TOKEN)
+        return base64.b64decode(raw).decode() if raw else None
 
     async def delete_pod(self, name: str) -> None:
         await self.request("DELETE", f"/api/v1/namespaces/{NS}/pods/{name}")

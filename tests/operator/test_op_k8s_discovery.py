@@ -3,12 +3,10 @@ each worker's /health, and RBAC equal to what it uses."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from kube_harness import (
     NS,
     TEST_AGENT,
@@ -23,10 +21,10 @@ from kube_harness import (
 
 from triptych.kube import names
 from triptych.kube.client import KubeClient, Login
+from triptych.operator.router_objects import ROUTER_RULES
 from triptych.router.k8s_discovery import KubernetesDiscovery, WorkerEndpoint
 
 pytestmark = pytest.mark.timeout(60)
-ROUTER_RBAC = Path(__file__).resolve().parents[2] / "deploy" / "router-rbac.yaml"
 
 
 def pod(name: str, deployment: str, ip: str, port: int, role: str | None, ready: bool = True) -> dict[str, Any]:
@@ -86,7 +84,7 @@ async def test_discovery_follows_its_own_confirmed_workers() -> None:
             for w in workers.values():
                 await w.stop()
 
-        router_rules = next(d for d in yaml.safe_load_all(ROUTER_RBAC.read_text()) if d)["rules"]
+        router_rules = ROUTER_RULES  # the Role the operator renders per deployment (router_objects.py)
         assert rbac_needs(api) == rbac_grants(router_rules) == {("", "pods", "list"), ("", "pods", "watch")}
         selectors = {r.params.get("labelSelector") for r in api if r.headers.get("User-Agent") != TEST_AGENT
                      and r.resource is not None and r.resource.plural == "pods"}

@@ -13,7 +13,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from kube_harness import NS, Env, rbac_grants, rbac_needs, wait_for
+from kube_harness import NS, Env, iter_requests, rbac_grants, rbac_needs, wait_for
 from test_op_integration import settle, spec
 
 from triptych.cli import build_parser
@@ -26,7 +26,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CRDS = DEPLOY.parent / "crds"
 CHILDREN = ("v1/configmaps", "v1/services", "v1/serviceaccounts", "apps/v1/deployments",
             "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies",
-            "rbac.authorization.k8s.io/v1/rolebindings", "monitoring.coreos.com/v1/servicemonitors")
+            "rbac.authorization.k8s.io/v1/roles", "rbac.authorization.k8s.io/v1/rolebindings",
+            "monitoring.coreos.com/v1/servicemonitors")
 
 
 def cluster_role(path: Path, name: str) -> list[dict[str, Any]]:
@@ -48,12 +49,12 @@ def tamper_children(env: Env) -> None:
                 {"metadata": {"annotations": {names.ANNOTATION_SPEC_HASH: "stale"}}})
 
 
-@pytest.mark.parametrize("service_monitors", [True])
-async def test_operator_cluster_role_is_exactly_what_the_code_uses(env: Env) -> None:
+async def walk_every_path(env: Env, namespaces: list[str] | None = None) -> None:
+    """Drive the operator through every code path that talks to the API."""
     port = env.cluster.worker_port
     pools = [{"name": "enc", "instanceTypes": ["E"], "port": port},
              {"name": "llm", "instanceTypes": ["P", "D"], "port": port}]
-    await env.start_operator(peering=PEERING).ready()  # as deploy/operator.yaml runs it
+    await env.start_operator(namespaces, peering=PEERING).ready()  # as deploy/operator.yaml runs it
     await env.cluster.create_mllm("demo", spec(port, {"E": 1, "P": 1, "D": 2}, pools=pools))
     await settle(env, "demo", 4)
 
@@ -78,12 +79,36 @@ async def test_operator_cluster_role_is_exactly_what_the_code_uses(env: Env) -> 
     await wait_for(lambda: (env.cluster.condition("demo", "Ready") or {}).get("reason") == "InvalidSpec",
                    what="InvalidSpec")
     await env.cluster.delete_mllm("demo")
-    await wait_for(lambda: env.cluster.mllm("demo") is None, what="finalizer released")
+    await wait_for(lambda: env.cluster.mllm("demo") is None, what="deleted")
 
+
+@pytest.mark.parametrize("service_monitors", [True])
+async def test_operator_cluster_role_is_exactly_what_the_code_uses(env: Env) -> None:
+    await walk_every_path(env)
     needs = rbac_needs(env.api)
     grants = operator_grants()
     assert needs - grants == set(), "requests the ClusterRole does not allow"
     assert grants - needs == set(), "grants no code path used"
+
+
+@pytest.mark.parametrize("service_monitors", [True])
+async def test_namespaced_mode_needs_only_a_role_in_the_served_namespace(env: Env) -> None:
+    await walk_every_path(env, namespaces=[NS])
+    docs = [d for d in yaml.safe_load_all((DEPLOY / "operator-rbac-namespaced.yaml").read_text()) if d]
+    assert {d["kind"] for d in docs} == {"ServiceAccount", "Role", "RoleBinding"}  # nothing cluster-scoped
+    role = next(d for d in docs if d["kind"] == "Role")
+    binding = next(d for d in docs if d["kind"] == "RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NS
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    needs = rbac_needs(env.api)
+    grants = rbac_grants(role["rules"])
+    assert needs - grants == set(), "requests the Role does not allow"
+    assert grants - needs == set(), "grants no code path used"
+    resource_requests = [r for r in iter_requests(env.api) if r.resource is not None and r.resource.plural]
+    assert resource_requests and all(r.namespace == NS for r in resource_requests), "a cluster-scoped request"
+    rendered = [o for res in CHILDREN for o in env.api.all(res).values()]
+    assert rendered and not any(o["kind"].startswith("Cluster") for o in rendered)
 
 
 def test_operator_rbac_binds_the_operator_service_account() -> None:

@@ -10,21 +10,20 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import pytest
-import yaml
 
 from triptych.cli import build_parser
 from triptych.kube import names
 from triptych.operator.api import parse_spec
 from triptych.operator.desired import ClusterFacts, Desired, Owner, desired_objects, spec_hash
+from triptych.operator.router_objects import ROUTER_RULES
 from triptych.router.config import RouterConfig
 from triptych.topology import InstanceType
 
 OWNER = Owner(name="demo", namespace="serving", uid="6d0c0a7e-0000-4000-8000-000000000001")
 FACTS = ClusterFacts(service_monitor_crd=True, operator_namespace="triptych-system")
 K8S_VERSIONS = ("1.33", kubernetes_validate.latest_version())
-BUILTIN = {"ConfigMap", "ServiceAccount", "RoleBinding", "Deployment", "Service", "PodDisruptionBudget",
+BUILTIN = {"ConfigMap", "ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "PodDisruptionBudget",
            "NetworkPolicy"}
-ROUTER_RBAC = Path(__file__).resolve().parents[2] / "deploy" / "router-rbac.yaml"
 
 # Prometheus Operator's ServiceMonitor is itself a CRD: kubernetes-validate has no schema for
 # it, so the fields we set are checked against this minimal excerpt of its schema.
@@ -77,7 +76,8 @@ LAYOUTS = {
     "first-allowing-pool-wins": (tiny({"E": 1, "PD": 2}, pools=[{"name": "enc", "instanceTypes": ["E", "PD"]},
                                                                {"name": "llm", "instanceTypes": ["PD"]}]),
                                  {"enc": {"E": 1, "PD": 2}, "llm": {}}),
-    "ED+P-volume": ({"model": {"source": {"volume": {"nfs": {"server": "nfs.local", "path": "/export"}},
+    "ED+P-volume": ({"model": {"source": {"volume": {"csi": {"driver": "nfs.csi.k8s.io", "volumeAttributes": {
+                                              "server": "nfs.local", "share": "/export"}}},
                                           "path": "llava"}},
                      "topology": {"ED": 1, "P": 1},
                      "pools": [{"name": "w", "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}],
@@ -187,8 +187,8 @@ def test_worker_pods_are_locked_down_and_start_unassigned() -> None:
     assert args["--role"] == "unassigned" and args["--device"] == "cuda" and args["--instance-id"] == "$(POD_NAME)"
     assert args["--model"] == "/models/Qwen2-VL-7B-Instruct" and args["--transfer-require"] == "nixl"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
-    assert c["startupProbe"]["httpGet"]["path"] == "/health"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/live"
+    assert c["startupProbe"]["httpGet"]["path"] == "/live"
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -226,9 +226,10 @@ def test_router_discovers_its_own_workers_with_its_own_account() -> None:
     assert pod["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert pod["containers"][0]["livenessProbe"]["httpGet"]["path"] == "/live"
     binding = desired.by_kind("RoleBinding")["demo-router"]
-    router_role = next(d for d in yaml.safe_load_all(ROUTER_RBAC.read_text()) if d["kind"] == "ClusterRole")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": router_role["metadata"]["name"]}
+    role = desired.by_kind("Role")["demo-router"]
+    assert role["rules"] == ROUTER_RULES  # checked against the discovery's requests in test_op_k8s_discovery
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "demo-router"}
+    assert not any(o["kind"].startswith("Cluster") for o in desired.objects)  # no cluster-scoped RBAC
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-router", "namespace": "serving"}]
     service = desired.by_kind("Service")["demo-router"]
     assert service["spec"]["type"] == "LoadBalancer"
@@ -246,7 +247,9 @@ def test_services_budgets_and_network_policy() -> None:
     assert {"podSelector": {"matchLabels": {names.LABEL_INSTANCE: "demo", names.LABEL_COMPONENT: "router"}}} in peers
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "triptych-system"}},
             "podSelector": {"matchLabels": {names.LABEL_NAME: names.OPERATOR_NAME}}} in peers
-    assert len(peers) == 3  # nobody else
+    assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}} in peers  # the scrapers
+    assert len(peers) == 4  # nobody else
 
 
 def test_optional_objects_follow_facts_and_spec() -> None:

@@ -56,16 +56,18 @@ class Kind:
 
 CONFIG_MAP = Kind("v1", "ConfigMap", "configmaps")
 SERVICE_ACCOUNT = Kind("v1", "ServiceAccount", "serviceaccounts")
+SECRET = Kind("v1", "Secret", "secrets")
 SERVICE = Kind("v1", "Service", "services")
 POD = Kind("v1", "Pod", "pods")
+ROLE = Kind("rbac.authorization.k8s.io/v1", "Role", "roles")
 ROLE_BINDING = Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings")
 DEPLOYMENT = Kind("apps/v1", "Deployment", "deployments")
 PDB = Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets")
 NETWORK_POLICY = Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies")
 SERVICE_MONITOR = Kind("monitoring.coreos.com/v1", "ServiceMonitor", "servicemonitors")
 MLLM = Kind(names.API_VERSION, names.KIND, names.PLURAL)
-KINDS: tuple[Kind, ...] = (CONFIG_MAP, SERVICE_ACCOUNT, SERVICE, POD, ROLE_BINDING, DEPLOYMENT, PDB,
-                           NETWORK_POLICY, SERVICE_MONITOR, MLLM)
+KINDS: tuple[Kind, ...] = (CONFIG_MAP, SERVICE_ACCOUNT, SECRET, SERVICE, POD, ROLE, ROLE_BINDING, DEPLOYMENT,
+                           PDB, NETWORK_POLICY, SERVICE_MONITOR, MLLM)
 
 
 class Credentials(Protocol):

@@ -22,7 +22,6 @@ SHORT_NAMES = ("mllm",)
 
 FIELD_MANAGER = "triptych-operator"
 OPERATOR_NAME = "triptych-operator"
-ROUTER_CLUSTER_ROLE = "triptych-router"
 
 # --- pod and object labels (DESIGN.md "Names to keep") --------------------------------------
 LABEL_NAME = "app.kubernetes.io/name"
@@ -65,6 +64,18 @@ MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/triptych/config"
 CONFIG_FILE = "serving.json"
 SECRETS_MOUNT = "/etc/triptych/secrets"
+TMP_SIZE_LIMIT = "2Gi"  # the /tmp emptyDir (caches, HOME): bounded so a pod cannot fill its node's disk
+
+# --- the internal plane's tokens (one Secret per MLLMDeployment, created by the operator) -----
+SECRET_KEY_INTERNAL_TOKEN = "internal-token"  # /internal/*: the router and peer workers
+SECRET_KEY_ADMIN_TOKEN = "admin-token"  # /admin/*: the operator (role switches), planner, humans
+ENV_INTERNAL_TOKEN = "TRIPTYCH_INTERNAL_TOKEN"
+ENV_ADMIN_TOKEN = "TRIPTYCH_ADMIN_TOKEN"
+
+# --- worker shutdown ----------------------------------------------------------------------------
+WORKER_DRAIN_TIMEOUT_S = 60  # worker/settings.py drain_timeout_s: SIGTERM drains up to this long
+PRESTOP_SLEEP_S = 5  # before SIGTERM: endpoints and the router's pod watch drop the pod first
+GRACE_MARGIN_S = 15  # after the drain: teardown (NIXL agent, weights) before SIGKILL
 
 
 # --- child objects ------------------------------------------------------------------------------
@@ -83,6 +94,10 @@ def workers_service_name(deployment: str) -> str:
 
 def config_map_name(deployment: str) -> str:
     return f"{deployment}-config"
+
+
+def tokens_secret_name(deployment: str) -> str:
+    return f"{deployment}-tokens"
 
 
 def worker_selector(deployment: str) -> dict[str, str]:

@@ -1,0 +1,95 @@
+"""The worker objects: one Deployment per pool (role-free selector) and the headless Service. Pure."""
+
+from __future__ import annotations
+
+from triptych.kube import names
+from triptych.operator.api import MLLMDeploymentSpec, WorkerPool
+from triptych.operator.objmeta import Obj, Owner, common_labels, object_meta, pool_selector, workers_selector
+from triptych.operator.podspec import (
+    ADMIN_TOKEN_ENV,
+    INTERNAL_TOKEN_ENV,
+    add_model,
+    base_env,
+    http_probe,
+    model_dir,
+    pod_security_context,
+    resources,
+    security_context,
+    shared_volumes,
+    token_env,
+    tolerations,
+    ucx_env,
+    worker_lifecycle,
+)
+
+
+def worker_args(spec: MLLMDeploymentSpec, pool: WorkerPool) -> list[str]:
+    transfer = "any" if spec.transfer.allow_fallback else "nixl"
+    return ["--model", model_dir(spec.model.source), "--role", "unassigned", "--host", "0.0.0.0",
+            "--port", str(pool.port), "--instance-id", "$(POD_NAME)",
+            "--block-size", str(spec.scheduling.block_size), "--transfer-require", transfer,
+            "--dtype", spec.model.dtype, "--device", "cuda" if pool.uses_gpu else "cpu"]
+
+
+def worker_deployment(owner: Owner, spec: MLLMDeploymentSpec, pool: WorkerPool, replicas: int) -> Obj:
+    lifecycle, grace = worker_lifecycle()
+    volumes, mounts = shared_volumes(owner, pool.shm_size)
+    init = add_model(spec, pool.image, pool.image_pull_policy, volumes, mounts)
+    volumes += [v.model_dump(by_alias=True, exclude_none=True) for v in pool.volumes]
+    mounts += [m.model_dump(by_alias=True, exclude_none=True) for m in pool.volume_mounts]
+    container = {
+        "name": "worker", "image": pool.image, "imagePullPolicy": pool.image_pull_policy,
+        "command": ["triptych", "worker"], "args": worker_args(spec, pool),
+        "ports": [{"name": names.PORT_NAME, "containerPort": pool.port, "protocol": "TCP"}],
+        # Workers hold both tokens: the internal one for peers, the admin one to check /admin calls.
+        "env": [*base_env(), *token_env(owner, INTERNAL_TOKEN_ENV, ADMIN_TOKEN_ENV), *ucx_env(spec),
+                *(e.model_dump(by_alias=True, exclude_none=True) for e in pool.env)],
+        "resources": resources(pool.resources),
+        "securityContext": security_context(),
+        "volumeMounts": mounts,
+        # Liveness on /live: 200 while the process serves HTTP, also while it loads, drains or
+        # switches roles (/health is 503 then, and a slow switch would get the container killed).
+        "startupProbe": http_probe("/live", 10, 90),
+        "readinessProbe": http_probe("/ready", 5, 3),
+        "livenessProbe": http_probe("/live", 10, 6),
+        "lifecycle": lifecycle,
+    }
+    pod_spec: Obj = {
+        "automountServiceAccountToken": False,  # workers never talk to the API server
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(),
+        "terminationGracePeriodSeconds": grace,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if init:
+        pod_spec["initContainers"] = init
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(pool.node_selector.items()))
+    if pool.tolerations:
+        pod_spec["tolerations"] = tolerations(pool.tolerations)
+    if pool.affinity:
+        pod_spec["affinity"] = pool.affinity
+    selector = pool_selector(owner, pool.name)
+    name = names.worker_deployment_name(owner.name, pool.name)
+    pod_labels = {**common_labels(owner, names.COMPONENT_WORKER), names.LABEL_POOL: pool.name}
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": object_meta(owner, name, names.COMPONENT_WORKER, **{names.LABEL_POOL: pool.name}),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": selector},
+            # No surge: a surge pod on a full GPU node would stay Pending and stall the rollout.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+        },
+    }
+
+
+def workers_service(owner: Owner, spec: MLLMDeploymentSpec) -> Obj:
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": object_meta(owner, names.workers_service_name(owner.name), names.COMPONENT_WORKER),
+            "spec": {"clusterIP": "None", "selector": workers_selector(owner),
+                     "ports": [{"name": names.PORT_NAME, "port": names.WORKER_PORT, "targetPort": names.PORT_NAME,
+                                "protocol": "TCP"}]}}
