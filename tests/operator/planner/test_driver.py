@@ -1,0 +1,148 @@
+"""The driver with a fake clock: decisions, replans on their own interval, the metrics and
+the /plan document, dry run."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from triptych.operator.planner.connectors import RecordingConnector, apply
+from triptych.operator.planner.driver import Driver, DriverConfig, PlannerMetrics, Replan, method_of
+from triptych.operator.planner.policy import PolicyConfig, Proposal
+from triptych.operator.planner.replanner import window_spec
+from triptych.operator.planner.signals import Snapshot, StageQueue
+from triptych.topology import InstanceType as T
+
+EPD = {T.E: 2, T.P: 2, T.D: 2}
+CFG = PolicyConfig(sustain=2, role_switch_cooldown_s=100, max_queue_per_instance=10, encoder_scaling=False)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def snap(pre: float = 0, dec: float = 0, attainment: float | None = 0.8, rate: float | None = 2.0) -> Snapshot:
+    return Snapshot(at=0, source="scrape", queues={
+        "encode": StageQueue(instances=2), "prefill": StageQueue(requests=pre, tokens=pre * 100, instances=2),
+        "decode": StageQueue(requests=dec, instances=2)}, slo_attainment=attainment, arrival_rate_rps=rate,
+        images_per_request=1.0, prompt_tokens_per_request=50, output_tokens_per_request=20, ttft_p90_s=1.5)
+
+
+def samples(metrics: PlannerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def run(driver: Driver, conn: RecordingConnector, snaps: list[Snapshot], clock: Clock, step: float = 15) -> list:
+    out = []
+    for s in snaps:
+        d = driver.observe(s, conn.counts())
+        apply(d, conn, conn.roles, conn.counts())
+        driver.acted(d)
+        out.append(d)
+        clock.t += step
+    return out
+
+
+def test_a_deep_prefill_queue_moves_one_instance_after_sustain_and_the_cooldown_holds() -> None:
+    clock = Clock()
+    driver = Driver(CFG, clock=clock)
+    conn = RecordingConnector({T.E: 2, T.P: 2, T.D: 3})
+    ds = run(driver, conn, [snap(pre=18)] * 6, clock)
+    assert [d.action for d in ds] == ["none", "switch_role", "none", "none", "none", "none"]
+    assert [c.method for c in conn.calls] == ["switch_role"]
+    assert (ds[1].from_type, ds[1].to_type) == (T.D, T.P) and conn.counts() == {T.E: 2, T.P: 3, T.D: 2}
+    assert ds[1].at == 1015.0  # the driver's clock, not the snapshot's
+    assert "cooldown" in ds[2].reason
+    doc = driver.document()
+    assert doc.counts == {"E": 2, "P": 3, "D": 2} and doc.method == "E+P+D" and doc.ratio == "2:3:2"
+    assert doc.last_action == ds[1] and doc.decisions == 6 and doc.actions == 1
+    assert doc.observed_attainment == 0.8 and doc.reason == ds[-1].reason
+
+
+def test_metrics_count_decisions_by_action_and_rule_and_show_the_snapshot() -> None:
+    clock = Clock()
+    metrics = PlannerMetrics(deployment="demo")
+    driver = Driver(CFG, metrics=metrics, clock=clock)
+    run(driver, RecordingConnector(EPD), [snap(pre=18)] * 3, clock)
+    got = samples(metrics)
+    dep = ("deployment", "demo")
+    assert got[("triptych_planner_decisions_total", (("action", "none"), dep, ("dry_run", "false"),
+                                                     ("rule", "none")))] == 2
+    assert got[("triptych_planner_decisions_total", (("action", "switch_role"), dep, ("dry_run", "false"),
+                                                     ("rule", "reactive")))] == 1
+    assert got[("triptych_planner_queued_requests", (dep, ("stage", "prefill")))] == 18
+    assert got[("triptych_planner_queued_tokens", (dep, ("stage", "prefill")))] == 1800
+    assert got[("triptych_planner_observed_attainment", (dep,))] == 0.8
+    assert got[("triptych_planner_ttft_p90_seconds", (dep,))] == 1.5
+    assert got[("triptych_planner_instances", (dep, ("type", "P")))] == 3  # after the switch was applied
+    assert got[("triptych_planner_trigger", (dep, ("trigger", "diverged")))] == 1
+    assert got[("triptych_planner_last_decision_timestamp_seconds", (dep,))] == 1030.0
+
+
+def test_dry_run_records_but_the_counts_stay() -> None:
+    clock = Clock()
+    driver = Driver(CFG.model_copy(update={"dry_run": True}), clock=clock)
+    conn = RecordingConnector(EPD)
+    ds = run(driver, conn, [snap(pre=18)] * 3, clock)
+    assert [d.action for d in ds] == ["none", "switch_role", "none"]  # cooldown counts dry-run decisions too
+    assert ds[1].dry_run and conn.calls == [] and len(conn.decisions) == 3
+    assert driver.document().counts == {"E": 2, "P": 2, "D": 2} and driver.document().dry_run
+
+
+def test_replans_run_on_their_own_interval_and_feed_the_policy() -> None:
+    clock = Clock()
+    calls = []
+
+    def replanner(window, counts):  # type: ignore[no-untyped-def]
+        calls.append((clock.t, len(window), dict(counts)))
+        return Replan(proposal=Proposal(method="E+PD", counts={T.E: 2, T.PD: 4}, predicted_goodput_rps=10,
+                                        current_goodput_rps=5), predicted_attainment=0.95)
+
+    metrics = PlannerMetrics()
+    cfg = CFG.model_copy(update={"role_switching": True, "divergence_on": 9.0})  # reactive off
+    driver = Driver(cfg, DriverConfig(replan_interval_s=60), replanner, metrics, clock)
+    conn = RecordingConnector({T.E: 3, T.PD: 3})
+    ds = run(driver, conn, [snap()] * 6, clock)  # t = 1000 .. 1075
+    assert [c[0] for c in calls] == [1000.0, 1060.0]
+    assert calls[1][1] == 5  # the window holds the snapshots so far
+    assert ds[0].rule == "replan" and ds[0].from_type == T.E and ds[0].to_type == T.PD
+    assert conn.counts() == {T.E: 2, T.PD: 4}
+    assert "already at the proposal" in ds[-1].reason
+    doc = driver.document()
+    assert doc.predicted_attainment == 0.95 and doc.proposal is not None and doc.replanned_at == 1060.0
+    got = samples(metrics)
+    assert got[("triptych_planner_predicted_goodput_rps", (("deployment", ""),))] == 10
+    assert got[("triptych_planner_predicted_attainment", (("deployment", ""),))] == 0.95
+
+
+def test_a_failed_action_is_reported_and_the_counts_stay() -> None:
+    clock = Clock()
+    metrics = PlannerMetrics()
+    driver = Driver(CFG, metrics=metrics, clock=clock)
+    driver.observe(snap(pre=18), EPD)
+    d = driver.observe(snap(pre=18), EPD)
+    assert d.action == "switch_role"
+    driver.acted(d, "worker refused")
+    doc = driver.document()
+    assert doc.actuation_error == "worker refused" and doc.counts == {"E": 2, "P": 2, "D": 2}
+    assert samples(metrics)[("triptych_planner_actuation_failures_total",
+                             (("action", "switch_role"), ("deployment", "")))] == 1
+
+
+def test_window_spec_is_the_mean_shape_and_none_without_traffic() -> None:
+    assert window_spec([snap(rate=None), snap(rate=0.0)]) is None
+    spec = window_spec([snap(rate=2.0), snap(rate=4.0), snap(rate=None)])
+    assert spec is not None and spec.rate == 3.0
+    assert spec.prompt_tokens.value == 50 and spec.output_tokens.value == 20 and spec.images_per_request.value == 1
+
+
+def test_method_names_follow_the_capacity_module() -> None:
+    assert method_of({T.E: 1, T.P: 1, T.D: 1}) == "E+P+D"
+    assert method_of({T.EP: 2, T.D: 1}) == "EP+D"
+    assert method_of({T.EPD: 3}) == "EPD"
