@@ -4,6 +4,7 @@
   timer                            full pass every `timer_interval` (catches missed events
                                    and hand edits of children, see drift.py)
   worker pod events                roles + status pass for the pod's deployment
+  planner daemon                   per deployment with spec.autoscaling.enabled (planner/k8s_daemon.py)
   delete                           nothing to undo (children carry owner references); the
                                    handler's finalizer is released once it returns
 
@@ -21,6 +22,7 @@ import kopf
 from triptych.kube import names
 from triptych.kube.client import KubeApiError
 from triptych.operator.context import OperatorContext
+from triptych.operator.planner.k8s_daemon import register_planner
 from triptych.operator.reconcile import reconcile
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
@@ -71,6 +73,8 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
     async def deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         ctx.forget(body["metadata"]["namespace"], body["metadata"]["name"])
         logger.info("deleted; owner references let the garbage collector remove the children")
+
+    register_planner(registry, ctx)
 
     worker_labels = {names.LABEL_DEPLOYMENT: kopf.PRESENT, names.LABEL_COMPONENT: names.COMPONENT_WORKER}
 
