@@ -214,6 +214,21 @@ async def test_dry_run_records_the_decision_and_changes_nothing(env: Env, tmp_pa
     assert plan(env)["dry_run"] is True and plan(env)["counts"] == {"E": 1, "P": 1, "D": 2}
 
 
+async def test_a_refused_switch_is_a_warning_and_the_topology_stays(env: Env, tmp_path: Path,
+                                                                     admin_headers: list) -> None:
+    with exporter(DEEP_PREFILL) as target, prometheus(target, tmp_path) as prom:
+        await start(env, prom, {"E": 1, "P": 1, "D": 2})
+        for worker in env.cluster.workers.values():
+            worker.refuse = True
+        await wait_for(lambda: events(env, "PlannerActionFailed"), timeout=60, what="the failed switch")
+        await wait_for(lambda: plan(env).get("actuation_error"), what="status.plan's error")
+    assert "HTTP 503" in events(env, "PlannerActionFailed")[0]
+    assert "HTTP 503" in plan(env)["actuation_error"]
+    assert env.cluster.mllm("demo")["spec"]["topology"] == {"E": 1, "P": 1, "D": 2}
+    assert sorted(roles(env).values()) == ["D", "D", "E", "P"]
+    assert plan(env)["counts"] == {"E": 1, "P": 1, "D": 2}
+
+
 async def test_a_deep_encode_queue_adds_an_encoder_pod(env: Env, tmp_path: Path, admin_headers: list) -> None:
     with exporter(DEEP_ENCODE) as target, prometheus(target, tmp_path) as prom:
         await start(env, prom, {"E": 1, "P": 1, "D": 1}, limits={"E": {"min": 1, "max": 3}})
