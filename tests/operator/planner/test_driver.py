@@ -146,3 +146,15 @@ def test_method_names_follow_the_capacity_module() -> None:
     assert method_of({T.E: 1, T.P: 1, T.D: 1}) == "E+P+D"
     assert method_of({T.EP: 2, T.D: 1}) == "EP+D"
     assert method_of({T.EPD: 3}) == "EPD"
+
+
+def test_the_actuation_modules_import_no_torch_and_no_worker_code() -> None:
+    import subprocess
+    import sys
+
+    mods = ("driver", "replanner", "endpoint", "local_connector", "local_main", "k8s_connector", "k8s_daemon")
+    code = (f"import sys; [__import__('triptych.operator.planner.' + m) for m in {mods!r}]; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') "
+            "or m.startswith('triptych.worker')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
