@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import kopf
+from pydantic import ValidationError
 
 from triptych.kube import names
 from triptych.kube.client import MLLM, KubeApiError
@@ -28,7 +29,7 @@ from triptych.operator.api import AutoscalingConfig, InvalidSpecError, parse_spe
 from triptych.operator.context import OperatorContext
 from triptych.operator.planner.driver import Driver, DriverConfig, PlannerMetrics, Replanner
 from triptych.operator.planner.k8s_connector import KubeConnector, TokenSource, read_admin_token
-from triptych.operator.planner.policy import PolicyConfig
+from triptych.operator.planner.policy import Decision, History, PolicyConfig
 from triptych.operator.planner.signals import PrometheusClient, Snapshot, snapshot_from_prometheus
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,18 @@ def policy_config(auto: AutoscalingConfig) -> PolicyConfig:
         sustain=auto.sustain, max_queue_per_instance=auto.max_queue_per_instance,
         divergence_on=auto.divergence_on, divergence_off=auto.divergence_off,
         encode_up=auto.encode_up, encode_down=auto.encode_down)
+
+
+def seed_history(status: Mapping[str, Any] | None) -> History:
+    """The last action recorded in status.plan, so cooldowns outlive an operator restart or
+    a peering hand-over (the decision's `at` is wall-clock time)."""
+    last = ((status or {}).get("plan") or {}).get("last_action")
+    if not last:
+        return History()
+    try:
+        return History(decisions=[Decision.model_validate(last)])
+    except ValidationError:
+        return History()
 
 
 class DeploymentPlanner:
@@ -91,6 +104,7 @@ class DeploymentPlanner:
             self.driver = Driver(policy, DriverConfig(interval_s=auto.interval_seconds,
                                                       replan_interval_s=auto.replan_interval_seconds),
                                  self.settings.replanner, PlannerMetrics(deployment=f"{self.namespace}/{self.name}"))
+            self.driver.history = seed_history(body.get("status"))
         self.driver.policy = policy
         self.driver.cfg = self.driver.cfg.model_copy(update={"interval_s": auto.interval_seconds,
                                                              "replan_interval_s": auto.replan_interval_seconds})

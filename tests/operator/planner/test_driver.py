@@ -158,3 +158,20 @@ def test_the_actuation_modules_import_no_torch_and_no_worker_code() -> None:
             "or m.startswith('triptych.worker')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_cooldowns_outlive_an_operator_restart_through_status_plan() -> None:
+    from triptych.operator.planner.k8s_daemon import seed_history
+
+    clock = Clock()
+    first = Driver(CFG, clock=clock)
+    first.observe(snap(pre=18), {T.E: 2, T.P: 2, T.D: 3})
+    acted = first.observe(snap(pre=18), {T.E: 2, T.P: 2, T.D: 3})
+    assert acted.action == "switch_role"
+    status = {"plan": first.document().model_dump(mode="json", exclude={"snapshot"})}
+    clock.t += 30
+    second = Driver(CFG, clock=clock)  # a new operator process
+    second.history = seed_history(status)
+    d = [second.observe(snap(pre=18), {T.E: 2, T.P: 3, T.D: 2}) for _ in range(2)][-1]
+    assert d.action == "none" and "role-switch cooldown: 70 s left" in d.reason
+    assert seed_history(None).decisions == [] and seed_history({"plan": {"last_action": {"bad": 1}}}).decisions == []
