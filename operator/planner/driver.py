@@ -13,6 +13,7 @@ No I/O and no clock of its own beyond the injected `clock`: tests drive it with 
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -114,6 +115,20 @@ class PlannerMetrics:
         self.last = Gauge(f"{P}_last_decision_timestamp_seconds", "When the last decision was taken", d,
                           registry=r)
         self.dry_run = Gauge(f"{P}_dry_run", "1 when decisions are only recorded", d, registry=r)
+
+    def view(self, deployment: str) -> PlannerMetrics:
+        """The same series, labelled for another deployment (one registry per operator)."""
+        other = copy.copy(self)
+        other.deployment = deployment
+        return other
+
+    def forget(self) -> None:
+        """Drop this deployment's series (its planner stopped)."""
+        for metric in vars(self).values():
+            if isinstance(metric, Counter | Gauge):
+                # prometheus_client keeps children by label values; the deployment is the first
+                for labels in [k for k in list(metric._metrics) if k and k[0] == self.deployment]:
+                    metric.remove(*labels)
 
     def publish(self, snap: Snapshot, counts: dict[InstanceType, int], decision: Decision) -> None:
         dep = self.deployment

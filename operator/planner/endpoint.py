@@ -1,5 +1,5 @@
-"""The planner process's HTTP endpoint: `/metrics` (the triptych_planner_* series), `/plan`
-(the driver's PlanDocument as JSON) and `/health`. Stdlib server in a thread: the planner
+"""The planner's HTTP endpoint: `/metrics` (the triptych_planner_* series), `/plan` (the
+driver's PlanDocument as JSON; in the operator, one per deployment) and `/health`. Stdlib server in a thread: the planner
 loop is synchronous and the endpoint only reads what the loop last published."""
 
 from __future__ import annotations
@@ -9,13 +9,12 @@ import threading
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-
-from triptych.operator.planner.driver import PlanDocument
+from pydantic import BaseModel
 
 
 class PlannerEndpoint:
     def __init__(self, host: str, port: int, registry: CollectorRegistry,
-                 document: Callable[[], PlanDocument]) -> None:
+                 document: Callable[[], BaseModel]) -> None:
         self.registry = registry
         self.document = document
         endpoint = self

@@ -5,6 +5,9 @@ thresholds may change while it runs), takes a Snapshot from Prometheus
 (`spec.autoscaling.prometheusUrl`, PromQL over httpx in a worker thread), lets the driver
 decide, hands an action to the KubeConnector, and writes status.plan. The daemon stops
 when autoscaling is switched off or the resource is deleted (kopf's `when` filter).
+With TRIPTYCH_PLANNER_ENDPOINT=host:port the operator serves every daemon's
+`triptych_planner_*` series (label deployment="namespace/name") on `/metrics` and their
+PlanDocuments on `/plan`.
 
 Replans need a step-time profile of the model on its GPUs; the operator has none yet (the
 checkpoint is on the workers' volume), so on Kubernetes the reactive and encoder rules run
@@ -15,25 +18,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import kopf
-from pydantic import ValidationError
+from pydantic import RootModel, ValidationError
 
 from triptych.kube import names
 from triptych.kube.client import MLLM, KubeApiError
 from triptych.operator.api import AutoscalingConfig, InvalidSpecError, parse_spec
 from triptych.operator.context import OperatorContext
-from triptych.operator.planner.driver import Driver, DriverConfig, PlannerMetrics, Replanner
+from triptych.operator.planner.driver import Driver, DriverConfig, PlanDocument, PlannerMetrics, Replanner
+from triptych.operator.planner.endpoint import PlannerEndpoint
 from triptych.operator.planner.k8s_connector import KubeConnector, TokenSource, read_admin_token
 from triptych.operator.planner.policy import Decision, History, PolicyConfig
 from triptych.operator.planner.signals import PrometheusClient, Snapshot, snapshot_from_prometheus
 
 log = logging.getLogger(__name__)
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
+
+
+def _endpoint_from_env() -> str | None:
+    return os.environ.get("TRIPTYCH_PLANNER_ENDPOINT") or None
 
 
 @dataclass
@@ -44,6 +53,13 @@ class PlannerSettings:
     token_source: TokenSource = read_admin_token
     replanner: Replanner | None = None
     prometheus_timeout_s: float = 5.0
+    # "host:port" serving every daemon's triptych_planner_* series and /plan (a map by
+    # namespace/name); TRIPTYCH_PLANNER_ENDPOINT, off when unset
+    endpoint: str | None = field(default_factory=_endpoint_from_env)
+    metrics: PlannerMetrics = field(default_factory=PlannerMetrics)
+
+
+PlanIndex = RootModel[dict[str, PlanDocument]]
 
 
 SETTINGS = PlannerSettings()
@@ -77,6 +93,7 @@ class DeploymentPlanner:
                  settings: PlannerSettings) -> None:
         self.ctx, self.connector, self.namespace, self.name = ctx, connector, namespace, name
         self.settings = settings
+        self.key = f"{namespace}/{name}"
         self.driver: Driver | None = None
         self.prometheus: PrometheusClient | None = None
         self._prometheus_url: str | None = None
@@ -103,7 +120,7 @@ class DeploymentPlanner:
         if self.driver is None:
             self.driver = Driver(policy, DriverConfig(interval_s=auto.interval_seconds,
                                                       replan_interval_s=auto.replan_interval_seconds),
-                                 self.settings.replanner, PlannerMetrics(deployment=f"{self.namespace}/{self.name}"))
+                                 self.settings.replanner, self.settings.metrics.view(self.key))
             self.driver.history = seed_history(body.get("status"))
         self.driver.policy = policy
         self.driver.cfg = self.driver.cfg.model_copy(update={"interval_s": auto.interval_seconds,
@@ -129,6 +146,8 @@ class DeploymentPlanner:
     def close(self) -> None:
         if self.prometheus is not None:
             self.prometheus.close()
+        if self.driver is not None:
+            self.driver.metrics.forget()
 
 
 def _enabled(spec: Mapping[str, Any], **_: Any) -> bool:
@@ -138,31 +157,46 @@ def _enabled(spec: Mapping[str, Any], **_: Any) -> bool:
 def register_planner(registry: kopf.OperatorRegistry, ctx: OperatorContext,
                      settings: PlannerSettings | None = None) -> None:
     """The hook handlers.register calls: one planner daemon per autoscaled deployment."""
+    s = settings or SETTINGS
     connectors: list[KubeConnector] = []
+    planners: dict[str, DeploymentPlanner] = {}
+    endpoints: list[PlannerEndpoint] = []
 
     def connector() -> KubeConnector:
-        s = settings or SETTINGS
         if not connectors:
             connectors.append(KubeConnector(ctx.kube, ctx.lock, ctx.emit, s.token_source,
                                             ctx.config.role_switch_timeout))
         return connectors[0]
 
+    def index() -> PlanIndex:
+        return PlanIndex({k: p.driver.document() for k, p in list(planners.items()) if p.driver is not None})
+
+    @kopf.on.startup(registry=registry)
+    def start_endpoint(**_: Any) -> None:
+        if s.endpoint:
+            host, _, port = s.endpoint.rpartition(":")
+            endpoints.append(PlannerEndpoint(host or "0.0.0.0", int(port), s.metrics.registry, index).start())
+
     @kopf.daemon(*RESOURCE, registry=registry, when=_enabled, cancellation_timeout=5.0)
     async def planner(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
         meta = body["metadata"]
-        planner = DeploymentPlanner(ctx, connector(), meta["namespace"], meta["name"], settings or SETTINGS)
+        planner = DeploymentPlanner(ctx, connector(), meta["namespace"], meta["name"], s)
+        planners[planner.key] = planner
         try:
             while not stopped:
                 try:
                     wait = await planner.tick()
                 except (KubeApiError, httpx.HTTPError) as e:  # the next tick retries
-                    log.warning("%s/%s: planner tick failed: %s", meta["namespace"], meta["name"], e)
+                    log.warning("%s: planner tick failed: %s", planner.key, e)
                     wait = 5.0
                 await stopped.wait(wait)
         finally:
+            planners.pop(planner.key, None)
             planner.close()
 
     @kopf.on.cleanup(registry=registry)
     async def close_planner(**_: Any) -> None:
         for c in connectors:
             await c.aclose()
+        for e in endpoints:
+            e.stop()

@@ -175,3 +175,16 @@ def test_cooldowns_outlive_an_operator_restart_through_status_plan() -> None:
     d = [second.observe(snap(pre=18), {T.E: 2, T.P: 3, T.D: 2}) for _ in range(2)][-1]
     assert d.action == "none" and "role-switch cooldown: 70 s left" in d.reason
     assert seed_history(None).decisions == [] and seed_history({"plan": {"last_action": {"bad": 1}}}).decisions == []
+
+
+def test_one_registry_serves_several_deployments_and_forgets_a_stopped_one() -> None:
+    shared = PlannerMetrics()
+    a, b = shared.view("ns/a"), shared.view("ns/b")
+    clock = Clock()
+    for metrics in (a, b):
+        Driver(CFG, metrics=metrics, clock=clock).observe(snap(pre=3), EPD)
+    deployments = {dict(k[1])["deployment"] for k in samples(shared) if k[0] == "triptych_planner_decisions_total"}
+    assert deployments == {"ns/a", "ns/b"}
+    a.forget()
+    left = {dict(k[1]).get("deployment") for k in samples(shared)}
+    assert "ns/a" not in left and "ns/b" in left

@@ -118,8 +118,10 @@ def prometheus(target: str, tmp: Path) -> Iterator[str]:
 
 @pytest.fixture
 def admin_headers(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
-    """The Authorization header of every /admin/role call the stub workers receive, and a
-    stubbed token source (the admin Secret is another change's)."""
+
+    """The Authorization header of every /admin/role call the stub workers receive; planner
+    settings with a stubbed token source (the admin Secret is another change's), a short
+    PromQL window and the operator's planner endpoint on a free port."""
     seen: list[str | None] = []
     original = kube_harness.FakeWorker._set_role
 
@@ -131,7 +133,8 @@ def admin_headers(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
         return TOKEN
 
     monkeypatch.setattr(kube_harness.FakeWorker, "_set_role", recording)
-    monkeypatch.setattr(k8s_daemon, "SETTINGS", k8s_daemon.PlannerSettings(promql_window="5s", token_source=token))
+    monkeypatch.setattr(k8s_daemon, "SETTINGS", k8s_daemon.PlannerSettings(
+        promql_window="5s", token_source=token, endpoint=f"127.0.0.1:{_free_port()}"))
     return seen
 
 
@@ -190,6 +193,13 @@ async def test_a_deep_prefill_queue_switches_one_decode_pod_to_prefill(env: Env,
     assert doc["last_action"]["rule"] == "reactive" and doc["last_action"]["to_type"] == "P"
     assert doc["counts"] == {"E": 1, "P": 2, "D": 1} and doc["dry_run"] is False
     assert doc.get("observed_attainment") is None  # the recording has no SLO counters (null: key dropped)
+    endpoint = f"http://{k8s_daemon.SETTINGS.endpoint}"  # the operator's /metrics and /plan
+    metrics = httpx.get(f"{endpoint}/metrics", timeout=5).text
+    assert ('triptych_planner_decisions_total{action="switch_role",deployment="serving/demo",dry_run="false",'
+            'rule="reactive"} 1.0') in metrics
+    assert 'triptych_planner_queued_requests{deployment="serving/demo",stage="prefill"} 14.0' in metrics
+    served = httpx.get(f"{endpoint}/plan", timeout=5).json()
+    assert served["serving/demo"]["last_action"]["to_type"] == "P"
     # reconcile passes (timer 0.5 s) agree with the planner: nothing switches back
     calls = {n: list(w.calls) for n, w in env.cluster.workers.items()}
     await env.cluster.reconcile_replicas()
