@@ -239,6 +239,13 @@ def cli_main(args: argparse.Namespace) -> int:
     finally:
         if planner is not None and planner.popen.poll() is None:
             planner.popen.terminate()
-            planner.popen.wait(timeout=15)
+            try:
+                planner.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                planner.popen.kill()
         deployment.stop()
+        if token_file is not None:
+            import shutil
+
+            shutil.rmtree(token_file.parent, ignore_errors=True)
     return 0
