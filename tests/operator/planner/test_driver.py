@@ -188,3 +188,24 @@ def test_one_registry_serves_several_deployments_and_forgets_a_stopped_one() -> 
     a.forget()
     left = {dict(k[1]).get("deployment") for k in samples(shared)}
     assert "ns/a" not in left and "ns/b" in left
+
+
+def test_the_window_replanner_proposes_a_plan_for_the_same_instance_count(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from planner_models import QWEN2_VL_7B, write_model
+
+    from triptych.operator.planner.model_shape import read_shape
+    from triptych.operator.planner.optimizer import PlanConfig
+    from triptych.operator.planner.replanner import WindowReplanner
+    from triptych.operator.planner.roofline import roofline_profile
+    from triptych.operator.planner.simulator import SimConfig
+
+    profile = roofline_profile(read_shape(write_model(tmp_path / "m", QWEN2_VL_7B)), "H100")
+    replanner = WindowReplanner(profile, SimConfig(ttft_slo_s=1.0, tbt_slo_s=0.05),
+                                PlanConfig(confirm_replicas=0, min_duration_s=5.0, keep_per_method=1), num_requests=100)
+    assert replanner([snap(rate=None)], {T.E: 1, T.P: 1, T.D: 2}) is None  # no traffic seen: nothing to plan on
+    result = replanner([snap(rate=4.0)] * 3, {T.E: 1, T.P: 1, T.D: 2})
+    assert result is not None
+    assert sum(result.proposal.counts.values()) == 4
+    assert result.proposal.predicted_goodput_rps > 0 and result.proposal.current_goodput_rps > 0
+    assert result.proposal.predicted_goodput_rps >= result.proposal.current_goodput_rps * 0.97  # the best of all
+    assert result.predicted_attainment is not None and 0 <= result.predicted_attainment <= 1
