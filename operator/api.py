@@ -195,16 +195,27 @@ class InstanceLimits(Model):
 
 
 class AutoscalingConfig(Model):
-    """Bounds and pacing for the planner (a later issue): validated here, not acted on yet."""
+    """Bounds and pacing for the planner (operator/planner/, docs/planner.md). While enabled,
+    the planner owns spec.topology's counts (as an HPA owns a Deployment's replicas)."""
 
     enabled: bool = False
+    dry_run: bool = Field(False, description="decide and record (Events, status.plan) but change nothing")
+    interval_seconds: int = Field(15, ge=1, description="seconds between snapshots and decisions")
     limits: dict[InstanceType, InstanceLimits] = Field(default_factory=dict)
     role_switching: bool = True
+    encoder_scaling: bool = Field(True, description="add or remove E instances on encode queueing")
     replan_interval_seconds: int = Field(300, ge=10)
+    replan_gain: float = Field(1.1, ge=1.0, description="predicted goodput ratio a replan needs to move")
     prometheus_url: str | None = Field(None, pattern=r"^https?://")
     scale_up_cooldown_seconds: int = Field(60, ge=0)
     scale_down_cooldown_seconds: int = Field(300, ge=0)
     role_switch_cooldown_seconds: int = Field(120, ge=0)
+    sustain: int = Field(3, ge=1, description="consecutive snapshots a trigger must hold")
+    max_queue_per_instance: float = Field(16.0, gt=0, description="queued requests that fill one instance")
+    divergence_on: float = Field(0.5, gt=0, description="queue-fill spread between types that triggers a move")
+    divergence_off: float = Field(0.25, ge=0, description="spread under which a triggered move resets")
+    encode_up: float = Field(8.0, gt=0, description="queued images per E instance that add one")
+    encode_down: float = Field(1.0, ge=0, description="queued images per E instance that remove one")
 
 
 class NetworkPolicyConfig(Model):
@@ -288,6 +299,8 @@ class MLLMDeploymentStatus(Model):
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+    plan: Opaque | None = Field(None, description="the planner's last decisions and why (planner/driver.py "
+                                "PlanDocument); written by the planner, kept by reconcile passes")
 
 
 class InvalidSpecError(ValueError):

@@ -6,6 +6,7 @@
   worker pod events                roles + status pass for the pod's deployment
   deleted (event)                  nothing to undo (children carry owner references); no
                                    finalizer, so deletion never waits for the operator
+  planner daemon                   per deployment with spec.autoscaling.enabled (planner/k8s_daemon.py)
 
 `register` binds the handlers to a registry so tests can run a fresh operator per test.
 """
@@ -22,6 +23,7 @@ import kopf
 from triptych.kube import names
 from triptych.kube.client import KubeApiError
 from triptych.operator.context import OperatorContext
+from triptych.operator.planner.k8s_daemon import register_planner
 from triptych.operator.reconcile import reconcile
 
 RESOURCE = (names.GROUP, names.VERSION, names.PLURAL)
@@ -41,15 +43,16 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.event_name_prefix = "triptych-"
 
 
-def _timers_without_finalizer(registry: kopf.OperatorRegistry) -> None:
-    """kopf gives every timer a finalizer, so that it can stop the timer before the resource
+def _spawning_without_finalizer(registry: kopf.OperatorRegistry) -> None:
+    """kopf gives every timer and daemon a finalizer, so that it can stop the timer before the resource
     goes; with it, a resource cannot be deleted while no operator runs. Our timer needs no
     such stop (a pass over a resource that is gone does nothing) and is stopped by its `when`
     filter once the DELETED event is seen, so the finalizer is turned off here (kopf's
     `on.timer` has no switch for it). This touches kopf's registry internals (kopf is pinned);
     tests/operator/test_op_integration.py fails if a finalizer appears again."""
     spawning = registry._spawning
-    # The only spawning handler registered is the timer (no daemons).
+    # The spawning handlers are the timer and the planner's daemon: kopf stops a daemon when
+    # it sees the resource deleted; nothing of it must run to completion before that.
     spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) for h in spawning._handlers]
 
 
@@ -90,7 +93,8 @@ def register(registry: kopf.OperatorRegistry, ctx: OperatorContext) -> None:
         if event.get("type") == "DELETED":  # runs before kopf re-matches the timer's filter
             ctx.forget(body["metadata"]["namespace"], body["metadata"]["name"], uid=body["metadata"]["uid"])
 
-    _timers_without_finalizer(registry)
+    register_planner(registry, ctx)
+    _spawning_without_finalizer(registry)
 
     worker_labels = {names.LABEL_DEPLOYMENT: kopf.PRESENT, names.LABEL_COMPONENT: names.COMPONENT_WORKER}
 

@@ -51,6 +51,8 @@ def compute_status(obs: Observation, old: Mapping[str, Any] | None, now: str) ->
         status = {k: v for k, v in old.items() if k not in ("conditions", "observedGeneration")}
     else:
         status, conditions = _serving_status(obs)
+        if "plan" in old:  # the planner's (operator/planner/k8s_connector.py), not ours to drop
+            status["plan"] = old["plan"]
     if obs.generation is not None:
         status["observedGeneration"] = obs.generation
     status["conditions"] = _carry_transition_times(conditions, old.get("conditions", []), now)

@@ -234,7 +234,43 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--instance-cpus", type=_cpus, default=None, metavar="X",
                    help="cap every instance at X CPUs (its own cgroup, ceil(X) torch threads); "
                         "without root or a cpu controller it says so and runs uncapped")
+    p.add_argument("--autoscale", action="store_true", help="also run the planner (triptych autoscale)")
+    p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")
+    p.add_argument("--autoscale-standby", type=int, default=0,
+                   help="with --autoscale: extra unassigned instances encoder scaling can take")
+    p.add_argument("--autoscale-args", default="", help="with --autoscale: more `triptych autoscale` flags")
     p.set_defaults(func=_lazy("triptych.local:cli_main"))
+
+
+def _add_autoscale(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("autoscale", help="the planner beside a local deployment (docs/planner.md)")
+    p.add_argument("--router", required=True, help="router base URL")
+    p.add_argument("--admin-token-file", default=None, help="the router's admin token")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8090, help="/metrics and /plan")
+    p.add_argument("--interval", type=float, default=15.0, help="seconds between decisions")
+    p.add_argument("--dry-run", action="store_true", help="decide and record, change nothing")
+    p.add_argument("--limit", action="append", default=[], metavar="TYPE=MIN:MAX", help="e.g. E=1:4")
+    p.add_argument("--no-role-switching", action="store_true")
+    p.add_argument("--no-encoder-scaling", action="store_true")
+    p.add_argument("--sustain", type=int, default=3, help="snapshots a trigger must hold")
+    p.add_argument("--max-queue-per-instance", type=float, default=16.0)
+    p.add_argument("--divergence-on", type=float, default=0.5)
+    p.add_argument("--divergence-off", type=float, default=0.25)
+    p.add_argument("--encode-up", type=float, default=8.0, help="queued images per E that add one")
+    p.add_argument("--encode-down", type=float, default=1.0, help="queued images per E that remove one")
+    p.add_argument("--scale-up-cooldown", type=float, default=60.0)
+    p.add_argument("--scale-down-cooldown", type=float, default=300.0)
+    p.add_argument("--role-switch-cooldown", type=float, default=120.0)
+    p.add_argument("--replan-interval", type=float, default=300.0)
+    p.add_argument("--replan-gain", type=float, default=1.1)
+    p.add_argument("--profile", default=None, help="step-time profile JSON: enables replans")
+    p.add_argument("--gpu", default=None, choices=("H100", "H200", "A100", "L40S"),
+                   help="replan on a roofline profile (needs --model)")
+    p.add_argument("--model", default=None, help="with --gpu: the model directory")
+    p.add_argument("--slo-ttft", type=float, default=2.0)
+    p.add_argument("--slo-tbt", type=float, default=0.2)
+    p.set_defaults(func=_lazy("triptych.operator.planner.local_main:cli_main"))
 
 
 def _add_operator(sub: argparse._SubParsersAction) -> None:
@@ -320,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="triptych", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_make_tiny_model, _add_generate, _add_bench, _add_worker, _add_router,
-                _add_serve, _add_operator, _add_planner, _add_profile, _add_dashboards):
+                _add_serve, _add_autoscale, _add_operator, _add_planner, _add_profile, _add_dashboards):
         add(sub)
     return parser
 

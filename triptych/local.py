@@ -241,15 +241,36 @@ def _router_passthrough(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def _admin_token_file() -> Path:
+    """A fresh admin token shared by the router and the planner (`serve --autoscale`)."""
+    import secrets
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="triptych-admin-")) / "admin-token"
+    path.touch(mode=0o600)
+    path.write_text(secrets.token_urlsafe(32))
+    return path
+
+
+def start_planner(deployment: LocalDeployment, token_file: Path, port: int, extra: list[str]) -> Process:
+    """`triptych autoscale` beside the deployment (operator/planner/local_main.py)."""
+    args = ["autoscale", "--router", deployment.router_url, "--admin-token-file", str(token_file),
+            "--host", deployment.host, "--port", str(port), *extra]
+    return deployment._spawn("planner", args, port)
+
+
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    autoscale = getattr(args, "autoscale", False)
+    token_file = _admin_token_file() if autoscale else None
     deployment = LocalDeployment(
         model=resolve_model(args.model),
         topology=parse_topology(args.topology),
         host=args.host,
         port=args.port,
         transfer_require=args.transfer_require,
-        router_args=_router_passthrough(args),
+        router_args=_router_passthrough(args) + (["--admin-token-file", str(token_file)] if token_file else []),
+        extra_roles=["unassigned"] * (args.autoscale_standby if autoscale else 0),
         instance_cpus=getattr(args, "instance_cpus", None),
     )
     stopping = False
@@ -263,13 +284,29 @@ def cli_main(args: argparse.Namespace) -> int:
     deployment.start()
     print(f"Triptych is serving {deployment.model.name} ({args.topology}) at {deployment.router_url}/v1",
           flush=True)
+    planner = None
+    if token_file is not None:
+        import shlex
+
+        planner = start_planner(deployment, token_file, args.planner_port, shlex.split(args.autoscale_args))
+        print(f"planner: {planner.url}/plan and {planner.url}/metrics", flush=True)
     try:
         while not stopping:
-            dead = [p for p in deployment.processes if p.popen.poll() is not None]
+            dead = [p for p in [*deployment.processes, *([planner] if planner else [])] if p.popen.poll() is not None]
             if dead:
                 log.error("%s exited with code %s; shutting down", dead[0].name, dead[0].popen.returncode)
                 return 1
             time.sleep(0.5)
     finally:
+        if planner is not None and planner.popen.poll() is None:
+            planner.popen.terminate()
+            try:
+                planner.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                planner.popen.kill()
         deployment.stop()
+        if token_file is not None:
+            import shutil
+
+            shutil.rmtree(token_file.parent, ignore_errors=True)
     return 0

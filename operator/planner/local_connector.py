@@ -1,0 +1,119 @@
+"""The local connector: a planner decision becomes calls on the router's admin API.
+
+Contract (the router's zero-loss role switching, EPDServe §3.2.4 offload -> migrate ->
+onload): `POST <router>/admin/role` with `Authorization: Bearer <admin token>` and body
+`{"instance": "<instance id>", "role": "P"}`, answered 200 once the instance serves its
+new role. The router's admin view of `/health` lists the instances (id, URL, role, ready,
+load), which is where the connector learns who runs what.
+
+Encoder scaling without a cluster: `triptych serve --autoscale --autoscale-standby N`
+starts N extra instances `unassigned` (warm processes the router already knows); scaling
+E up switches a ready standby to E, scaling down switches the least-loaded E back to
+`unassigned` (it idles, holding no stage). The router has no endpoint to register a
+process started later, so the standby pool bounds scale-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from triptych.operator.planner.policy import Decision
+from triptych.topology import UNASSIGNED, InstanceType
+
+
+class LocalActionError(RuntimeError):
+    """The router refused or could not carry out an action."""
+
+
+class LocalConnector:
+    def __init__(self, router_url: str, admin_token: str | None, timeout_s: float = 300.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        # a switch answers once the instance serves its new role (weights loaded or dropped)
+        self._http = httpx.Client(base_url=router_url.rstrip("/"), headers=headers,
+                                  timeout=httpx.Timeout(timeout_s, connect=5.0), transport=transport)
+        self.decisions: list[Decision] = []
+
+    # --- what runs where ------------------------------------------------------------------
+    def instances(self) -> list[dict[str, Any]]:
+        """The router's instances; needs the admin token (others see no instance list)."""
+        r = self._http.get("/health")
+        body = r.json()
+        if "instances" not in body:
+            raise LocalActionError(f"the router's /health lists no instances (HTTP {r.status_code}): "
+                                   "is the admin token right?")
+        return list(body["instances"])
+
+    def roles(self, instances: list[dict[str, Any]] | None = None) -> dict[str, InstanceType]:
+        out = {}
+        for inst in self.instances() if instances is None else instances:
+            if inst.get("role") in InstanceType.__members__:
+                out[_id(inst)] = InstanceType(inst["role"])
+        return out
+
+    def counts(self, instances: list[dict[str, Any]] | None = None) -> dict[InstanceType, int]:
+        out: dict[InstanceType, int] = {}
+        for kind in self.roles(instances).values():
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+    # --- the Connector protocol -----------------------------------------------------------
+    def switch_role(self, instance: str, role: InstanceType | str) -> None:
+        value = role.value if isinstance(role, InstanceType) else role
+        try:
+            r = self._http.post("/admin/role", json={"instance": instance, "role": value})
+        except httpx.HTTPError as e:
+            raise LocalActionError(f"POST /admin/role {instance} -> {value}: {type(e).__name__}: {e}") from e
+        if r.status_code != 200:
+            raise LocalActionError(f"POST /admin/role {instance} -> {value}: HTTP {r.status_code}: {r.text[:200]}")
+
+    def set_replicas(self, kind: InstanceType, n: int) -> None:
+        instances = self.instances()
+        mine = [i for i in instances if i.get("role") == kind.value]
+        if n > len(mine):
+            standby = [i for i in instances if i.get("role") == UNASSIGNED and i.get("ready")]
+            if len(standby) < n - len(mine):
+                raise LocalActionError(f"{kind.value} to {n} needs {n - len(mine)} standby instance(s), "
+                                       f"{len(standby)} ready (serve --autoscale-standby)")
+            for inst in standby[:n - len(mine)]:
+                self.switch_role(_id(inst), kind)
+        for inst in sorted(mine, key=_load)[:max(0, len(mine) - n)]:
+            self.switch_role(_id(inst), UNASSIGNED)
+
+    def record(self, decision: Decision) -> None:
+        self.decisions.append(decision)
+
+    # --- one decision ---------------------------------------------------------------------
+    def act(self, decision: Decision) -> str | None:
+        """Carry out the decision (not a dry run, not `none`); returns an error or None. A
+        switch moves the least-loaded instance of the source type."""
+        self.record(decision)
+        if decision.action == "none" or decision.dry_run:
+            return None
+        try:
+            if decision.action == "switch_role":
+                assert decision.from_type is not None and decision.to_type is not None
+                candidates = [i for i in self.instances() if i.get("role") == decision.from_type.value]
+                if not candidates:
+                    raise LocalActionError(f"no {decision.from_type.value} instance to switch")
+                self.switch_role(_id(min(candidates, key=_load)), decision.to_type)
+            elif decision.action == "scale":
+                assert decision.scale_type is not None
+                have = self.counts().get(decision.scale_type, 0)
+                self.set_replicas(decision.scale_type, have + decision.delta)
+        except (LocalActionError, httpx.HTTPError) as e:
+            return str(e)
+        return None
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def _id(inst: dict[str, Any]) -> str:
+    return str(inst.get("instance_id") or inst["url"])
+
+
+def _load(inst: dict[str, Any]) -> tuple[float, str]:
+    return (float(inst.get("load") or 0.0), _id(inst))
