@@ -5,24 +5,19 @@ placeholder run that does not match the decoded grid is a typed 400 at admission
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from videokit import VideoCase, expected_ids
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "serving"))
-from videokit import VideoCase, expected_ids  # noqa: E402
-
-from triptych.processor import MultimodalProcessor  # noqa: E402
-from triptych.sampling_params import SamplingParams  # noqa: E402
-from triptych.stage_protocol import MMItemSpec, VideoOptions  # noqa: E402
-from triptych.tiny_model import tiny_model_path  # noqa: E402
-from triptych.video_processing import VideoProcessorConfig, VideoTokens, expand_videos  # noqa: E402
-from triptych.worker.engine import Engine, EngineConfig, Request  # noqa: E402
-from triptych.worker.engine.request import RequestValidationError  # noqa: E402
-from triptych.worker.engine.video_inputs import VIDEOS_DECODED  # noqa: E402
-from triptych.worker.video import index_video, video_id  # noqa: E402
+from triptych.processor import MultimodalProcessor
+from triptych.sampling_params import SamplingParams
+from triptych.stage_protocol import MMItemSpec, VideoOptions
+from triptych.tiny_model import tiny_model_path
+from triptych.video_processing import VideoProcessorConfig, VideoTokens, expand_videos
+from triptych.worker.engine import Engine, EngineConfig, Request
+from triptych.worker.engine.request import RequestValidationError
+from triptych.worker.engine.video_inputs import VIDEOS_DECODED
+from triptych.worker.video import index_video, video_id
 
 
 @pytest.fixture(autouse=True, scope="module")
