@@ -142,8 +142,8 @@ class ImageLoader:
 
     async def _fetch(self, ref: ImageRef, budget: FetchBudget) -> bytes:
         if not self.config.allow_http_images:
-            raise _error(ref, "fetching images over http(s) is disabled on this server; "
-                              "send the image inline as a base64 data: URL")
+            raise _error(ref, f"fetching {ref.kind}s over http(s) is disabled on this server; "
+                              f"send the {ref.kind} inline as a base64 data: URL")
         try:
             async with asyncio.timeout(self.config.image_fetch_timeout_s):
                 return await self._follow(ref, budget)

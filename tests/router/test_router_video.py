@@ -12,6 +12,8 @@ import httpx
 import pytest
 from routerkit import ScriptedBackend, chat_body, image_part, png_bytes
 
+from triptych.processor import MultimodalProcessor
+from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
 from triptych.stage_protocol import MMItemSpec
 from triptych.worker.video import video_id
@@ -131,3 +133,14 @@ async def test_http_video_needs_the_allow_list(client: httpx.AsyncClient) -> Non
     part = {"type": "video_url", "video_url": {"url": "http://videos.example.com/a.mp4"}}
     resp = await client.post("/v1/chat/completions", json=chat_body([part]))
     assert resp.status_code == 400 and "disabled" in resp.json()["error"]["message"]
+
+
+async def test_llava_refuses_video(llava_dir, backend: ScriptedBackend) -> None:
+    config = RouterConfig(model=llava_dir, served_model_name="tiny-qwen", max_model_len=512)
+    app = create_app(config, backend, processor=MultimodalProcessor.from_pretrained(llava_dir))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body([video_part(clip())]))
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "unsupported_content" and "does not accept video" in error["message"]
+    assert not backend.requests
