@@ -10,6 +10,7 @@ Every bad video or option is an `InvalidRequestError` (400).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -113,7 +114,14 @@ def probe_video(data: bytes, param: str, model: VideoModel, cfg: VideoProcessorC
     spgt = None
     if model.uses_seconds_per_grid:
         spgt = second_per_grid_t(len(frames), index.total_num_frames, index.fps, cfg.temporal_patch_size)
-    return VideoTokens(grid, video_id(data), index.width, index.height, spgt, options=resolved)
+    return VideoTokens(grid, video_key(data, resolved), index.width, index.height, spgt, options=resolved)
+
+
+def video_key(data: bytes, resolved: dict[str, Any]) -> str:
+    """The MM cache key of a video item: its bytes AND how it was sampled and sized (the
+    same clip at another fps or pixel bound is another embedding)."""
+    options = json.dumps(resolved, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"video:{video_id(data)}:{options}".encode()).hexdigest()
 
 
 def _code(exc: VideoError) -> str:
