@@ -71,3 +71,41 @@ def test_bad_video_bytes_and_wrong_runs_are_refused() -> None:
     assert VideoOptions(fps=2.0).sampling() == {"fps": 2.0}
     (ok,) = engine.generate_batch([_request("qwen2-vl", case, 7.0, 7, None)])
     assert ok.error is None and ok.output_token_ids
+
+
+def test_encoder_decodes_with_a_decoder_service(tmp_path) -> None:
+    """GOP sets split between the encoder's own decoder threads and a decoder service (the
+    V instance's work): same tokens as transformers, and the service got the video."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from triptych.worker.engine.video_inputs import VideoInputs
+    from triptych.worker.video.service import create_decoder_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_decoder_app(), host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    try:
+        case = VideoCase(seed=3, fps=24.0, with_image=False, stream=False)  # 48 frames: several GOP sets
+        engine = Engine(EngineConfig(model=str(tiny_model_path("qwen2-vl")), max_num_seqs=1))
+        engine.admission.videos = VideoInputs(str(tiny_model_path("qwen2-vl")), engine.vision, [url])
+        before = VIDEOS_DECODED.labels("encoder+v")._value.get()
+        (done,) = engine.generate_batch([_request("qwen2-vl", case, 24.0, 24, None)])
+        assert done.error is None and done.output_token_ids == expected_ids(tiny_model_path("qwen2-vl"), case)
+        remote = engine.admission.videos._pool.slots[0]
+        assert remote.url == url and remote.uploads == 1
+        assert VIDEOS_DECODED.labels("encoder+v")._value.get() == before + 1
+        assert httpx.get(f"{url}/live").status_code == 200
+    finally:
+        server.should_exit = True

@@ -6,10 +6,16 @@ single-threaded decoder threads) samples exactly the frames the router counted (
 request's resolved `VideoOptions`), `triptych.video_processing` patchifies them with the
 same pixel bounds, and `QwenVisionModel.video_input` wraps the patches. The token count
 is checked against the item's placeholder run: a mismatch is a 400, never a garbled answer.
+
+With video decoder services (`TRIPTYCH_VIDEO_DECODERS=url,url`: worker/video/service.py,
+the V instance's work) the pool also holds one `RemoteSlot` per service, so one video's
+GOP sets decode on this instance and the services at once (stall-free: a free slot takes
+the next set). Until the topology knows V instances this list is static configuration.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -20,13 +26,15 @@ from triptych.processor import ProcessorError
 from triptych.video_processing import VideoProcessorConfig, preprocess_frames
 from triptych.worker.engine.request import RequestValidationError
 from triptych.worker.transfer.base import registry_metric
-from triptych.worker.video import CollaborativeDecoder, SamplingOptions, VideoError, VideoLimits
+from triptych.worker.video import CollaborativeDecoder, LocalSlot, SamplingOptions, VideoError, VideoLimits
+from triptych.worker.video.remote import RemoteSlot
 
 VIDEOS_DECODED: Counter = registry_metric(
     Counter, "triptych_worker_videos_decoded_total", "Videos decoded on this instance, by where they were decoded",
     ["where"])
 DECODERS = 2  # decoder threads per instance: PyAV releases the GIL, so they run in parallel
 DECODE_TIMEOUT_S = 120.0
+DECODERS_ENV = "TRIPTYCH_VIDEO_DECODERS"
 
 
 class InvalidVideoInputError(RequestValidationError):
@@ -36,9 +44,12 @@ class InvalidVideoInputError(RequestValidationError):
 class VideoInputs:
     """Decodes and preprocesses video items for one engine's vision tower."""
 
-    def __init__(self, model_dir: str, vision: Any) -> None:
+    def __init__(self, model_dir: str, vision: Any, remote_urls: list[str] | None = None) -> None:
         self.vision = vision
         self._model_dir = model_dir
+        if remote_urls is None:
+            remote_urls = [u.strip() for u in os.environ.get(DECODERS_ENV, "").split(",") if u.strip()]
+        self.remote_urls = remote_urls
         self._config: VideoProcessorConfig | None = None
         self._pool: CollaborativeDecoder | None = None
         self._lock = threading.Lock()
@@ -48,7 +59,8 @@ class VideoInputs:
             if self._config is None:
                 self._config = VideoProcessorConfig.from_pretrained(self._model_dir)
             if self._pool is None:
-                self._pool = CollaborativeDecoder(num_decoders=DECODERS)
+                slots = [RemoteSlot(u, timeout_s=DECODE_TIMEOUT_S) for u in self.remote_urls]
+                self._pool = CollaborativeDecoder(slots=[*slots, *(LocalSlot() for _ in range(DECODERS))])
             return self._config, self._pool
 
     def prepare(self, data: bytes, item: Any) -> Any:
@@ -69,7 +81,8 @@ class VideoInputs:
         except TimeoutError as exc:
             raise InvalidVideoInputError(f"video {item.content_hash[:16]} did not decode in "
                                          f"{DECODE_TIMEOUT_S:g}s") from exc
-        VIDEOS_DECODED.labels("encoder").inc()
+        # A failing decoder service raises RemoteDecoderError (a RuntimeError): ours, a 500.
+        VIDEOS_DECODED.labels("encoder+v" if self.remote_urls else "encoder").inc()
         vin = self.vision.video_input(patches.pixel_values_videos, patches.grid_thw)
         if vin.num_tokens != item.length or (item.grid_thw is not None
                                              and tuple(item.grid_thw) != tuple(patches.grid_thw)):
