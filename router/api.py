@@ -103,7 +103,7 @@ def _add_generation_routes(app: FastAPI, state: RouterState) -> None:
         sampling = _sampling(body, body.requested_max_tokens)
         started = time.monotonic()
         messages, refs = template_messages(body.messages, state.config)
-        prompt = await prepare_chat(state, messages, refs)
+        prompt = await prepare_chat(state, messages, refs, mm_processor_kwargs=body.mm_processor_kwargs)
         state.metrics.preprocess.labels(state.model_name).observe(time.monotonic() - started)
         sampling = fit_context(state, len(prompt.token_ids), sampling, body.requested_max_tokens)
         return await _generate(state, request, body, prompt, sampling, chat=True)

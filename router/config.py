@@ -39,6 +39,14 @@ class RouterConfig(BaseModel):
     max_fetch_bytes_per_request: int = Field(default=64 * MiB, ge=1)
     # Fetching from loopback, private, link-local or cloud-metadata addresses (tests, trusted LANs).
     allow_private_image_hosts: bool = False
+    # Videos (video_url parts): fetched like images (same allow-list and per-request fetch
+    # budget), checked while demuxing, before any frame is decoded (docs/video.md).
+    max_video_bytes: int = Field(default=48 * MiB, ge=1)
+    max_videos_per_request: int = Field(default=4, ge=0)
+    max_video_duration_s: float = Field(default=600.0, gt=0)
+    max_video_frames: int = Field(default=36_000, ge=1)  # frames in the container
+    max_video_frame_pixels: int = Field(default=1920 * 1088, ge=1)  # width x height of one frame
+    max_video_sampled_frames: int = Field(default=768, ge=1)  # frames the model sees
     max_request_bytes: int = Field(default=64 * MiB, ge=1)
     max_messages: int = Field(default=1024, ge=1)
     max_content_parts: int = Field(default=4096, ge=1)  # across all messages

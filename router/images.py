@@ -38,6 +38,7 @@ _WHITESPACE = b" \t\r\n\x0b\x0c"
 class ImageRef:
     url: str
     param: str  # where the part sits in the request, e.g. "messages[0].content[1].image_url"
+    kind: str = "image"  # "video" for video_url parts: fetched the same way, own byte cap
 
 
 class FetchBudget:
@@ -68,19 +69,20 @@ def decode_data_url(ref: ImageRef, max_bytes: int) -> bytes:
     media_type = params[0].strip().lower()
     if "base64" not in (p.strip().lower() for p in params[1:]):
         raise _error(ref, "data URLs must be base64-encoded ('data:image/png;base64,...')")
-    if not (media_type.startswith("image/") or media_type in _ACCEPTED_DATA_TYPES):
-        raise _error(ref, f"data URL media type {media_type!r} is not an image type")
+    if not (media_type.startswith(f"{ref.kind}/") or media_type in _ACCEPTED_DATA_TYPES):
+        article = "an" if ref.kind[0] in "aeiou" else "a"
+        raise _error(ref, f"data URL media type {media_type!r} is not {article} {ref.kind} type")
     # Line-wrapped base64 is common; bytes.translate drops the whitespace in one C pass.
     raw = payload.encode("ascii", errors="replace").translate(None, _WHITESPACE)
     if len(raw) * 3 // 4 > max_bytes:
-        raise _error(ref, f"image is larger than the {max_bytes} byte limit", code="image_too_large")
+        raise _error(ref, f"{ref.kind} is larger than the {max_bytes} byte limit", code=f"{ref.kind}_too_large")
     raw += b"=" * (-len(raw) % 4)  # tolerate missing padding; real corruption still fails
     try:
         data = base64.b64decode(raw, validate=True)
     except (binascii.Error, ValueError) as exc:
-        raise _error(ref, f"invalid base64 in image data URL: {exc}", code="invalid_base64") from None
+        raise _error(ref, f"invalid base64 in {ref.kind} data URL: {exc}", code="invalid_base64") from None
     if not data:
-        raise _error(ref, "image data URL is empty", code="invalid_image")
+        raise _error(ref, f"{ref.kind} data URL is empty", code=f"invalid_{ref.kind}")
     return data
 
 
@@ -122,13 +124,16 @@ class ImageLoader:
             await self._client.aclose()
             self._client = None
 
+    def _cap(self, ref: ImageRef) -> int:
+        return self.config.max_video_bytes if ref.kind == "video" else self.config.max_image_bytes
+
     async def load(self, ref: ImageRef, budget: FetchBudget | None = None) -> bytes:
         scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
         if scheme == "data":
             if len(ref.url) < _INLINE_DECODE_LIMIT:
-                return decode_data_url(ref, self.config.max_image_bytes)
+                return decode_data_url(ref, self._cap(ref))
             # Decoding megabytes of base64 takes milliseconds: keep it off the event loop.
-            return await asyncio.to_thread(decode_data_url, ref, self.config.max_image_bytes)
+            return await asyncio.to_thread(decode_data_url, ref, self._cap(ref))
         if scheme in ("http", "https"):
             return await self._fetch(ref, budget or FetchBudget(self.config.max_fetch_bytes_per_request))
         shown = f"'{scheme}:'" if scheme else "none"
@@ -137,8 +142,8 @@ class ImageLoader:
 
     async def _fetch(self, ref: ImageRef, budget: FetchBudget) -> bytes:
         if not self.config.allow_http_images:
-            raise _error(ref, "fetching images over http(s) is disabled on this server; "
-                              "send the image inline as a base64 data: URL")
+            raise _error(ref, f"fetching {ref.kind}s over http(s) is disabled on this server; "
+                              f"send the {ref.kind} inline as a base64 data: URL")
         try:
             async with asyncio.timeout(self.config.image_fetch_timeout_s):
                 return await self._follow(ref, budget)
@@ -207,8 +212,9 @@ class ImageLoader:
         return f"[{first}]" if first.version == 6 else str(first)
 
     async def _read_capped(self, ref: ImageRef, resp: httpx.Response, budget: FetchBudget) -> bytes:
-        cap = self.config.max_image_bytes
-        too_big = _error(ref, f"image at {ref.url} is larger than the {cap} byte limit", code="image_too_large")
+        cap = self._cap(ref)
+        too_big = _error(ref, f"{ref.kind} at {ref.url} is larger than the {cap} byte limit",
+                         code=f"{ref.kind}_too_large")
         declared = resp.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
             raise too_big
@@ -219,7 +225,7 @@ class ImageLoader:
             if len(buf) > cap:
                 raise too_big
         if not buf:
-            raise _error(ref, f"{ref.url} returned an empty body", code="invalid_image")
+            raise _error(ref, f"{ref.url} returned an empty body", code=f"invalid_{ref.kind}")
         return bytes(buf)
 
     def _http(self) -> httpx.AsyncClient:

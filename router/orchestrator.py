@@ -202,8 +202,7 @@ class Orchestrator:
         """Run the plan: its encode-only runs (concurrently), then its hops in order, each
         handed what the one before it left (embedding handles to the prefill, the KV handle
         to the decode)."""
-        mm_items = [MMItemSpec(kind="image", offset=m.offset, length=m.length, content_hash=m.content_hash,
-                               grid_thw=m.grid_thw) for m in req.mm_items]
+        mm_items = [MMItemSpec.of(m) for m in req.mm_items]  # images and videos
         images = {m.content_hash: base64.b64encode(data).decode() for m, data in zip(req.mm_items, req.images,
                                                                                      strict=True)}
         results = await asyncio.gather(*(self._encode_only(req, run, images, mm_items, footprint)

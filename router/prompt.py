@@ -1,7 +1,8 @@
 """Client input -> a prompt the backend can run: chat messages to template messages with
-their images (counts, lengths and pixel budgets checked up front), images resolved and
-sized from their headers, the chat template and tokenization, placeholder checks, and the
-context-length fit of max_tokens."""
+their images and videos (counts, lengths and pixel budgets checked up front), images
+resolved and sized from their headers, videos demuxed and counted (router/videos.py), the
+chat template and tokenization, placeholder checks, and the context-length fit of
+max_tokens."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from triptych.router.errors import InvalidRequestError
 from triptych.router.images import FetchBudget, ImageRef
 from triptych.router.protocol import ChatMessage, ImagePart, TextPart, VideoPart
 from triptych.router.state import RouterState
+from triptych.router.videos import limits_of, probe_video, resolve_options, video_model
 from triptych.sampling_params import SamplingParams
+from triptych.video_processing import expand_videos
 
 
 @dataclass
@@ -24,7 +27,7 @@ class Prompt:
 
     token_ids: list[int]
     mm_items: list[Any] = field(default_factory=list)
-    images: list[bytes] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)  # encoded bytes, one per mm item (image or video)
 
 
 def fit_context(state: RouterState, prompt_len: int, sampling: SamplingParams,
@@ -63,8 +66,9 @@ def _check_sizes(messages: list[ChatMessage], config: RouterConfig) -> None:
 
 def template_messages(messages: list[ChatMessage], config: RouterConfig,
                        ) -> tuple[list[dict[str, Any]], list[ImageRef]]:
-    """OpenAI messages -> Hugging Face chat-template messages. Image parts become the
-    template's own `{"type": "image"}` entries, in order (as vLLM does)."""
+    """OpenAI messages -> Hugging Face chat-template messages. Image and video parts become
+    the template's own `{"type": "image"}` / `{"type": "video"}` entries, in order (as vLLM
+    does); the refs keep their order and kind."""
     _check_sizes(messages, config)
     out: list[dict[str, Any]] = []
     refs: list[ImageRef] = []
@@ -84,34 +88,71 @@ def template_messages(messages: list[ChatMessage], config: RouterConfig,
                 parts.append({"type": "image"})
                 refs.append(ImageRef(part.image_url.url, f"{where}.image_url"))
             elif isinstance(part, VideoPart):
-                raise InvalidRequestError("video_url content parts are not supported yet; send video "
-                                          "frames as image_url parts", param=where, code="unsupported_content")
+                parts.append({"type": "video"})
+                refs.append(ImageRef(part.video_url.url, f"{where}.video_url", kind="video"))
         out.append({"role": role, "content": parts})
     return out, refs
 
 
 async def prepare_chat(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef],
-                       add_generation_prompt: bool = True) -> Prompt:
+                       add_generation_prompt: bool = True, mm_processor_kwargs: dict[str, Any] | None = None,
+                       ) -> Prompt:
+    image_refs = [r for r in refs if r.kind == "image"]
+    video_refs = [r for r in refs if r.kind == "video"]
     limit = state.config.max_images_per_request
-    if len(refs) > limit:
-        raise InvalidRequestError(f"too many images: {len(refs)} (this server accepts at most {limit} "
+    if len(image_refs) > limit:
+        raise InvalidRequestError(f"too many images: {len(image_refs)} (this server accepts at most {limit} "
                                   "per request)", param="messages", code="too_many_images")
+    _check_videos(state, video_refs, mm_processor_kwargs)
     budget = FetchBudget(state.config.max_fetch_bytes_per_request)
     blobs = list(await asyncio.gather(*(state.images.load(ref, budget) for ref in refs)))
-    processed = await asyncio.to_thread(_process, state, messages, refs, blobs, add_generation_prompt)
-    prompt = Prompt(token_ids=list(processed.token_ids), mm_items=list(processed.mm_items), images=blobs)
+    processed, by_hash = await asyncio.to_thread(_process, state, messages, refs, blobs, add_generation_prompt,
+                                                 mm_processor_kwargs)
+    items = list(processed.mm_items)
+    prompt = Prompt(token_ids=list(processed.token_ids), mm_items=items,
+                    images=[by_hash[m.content_hash] for m in items])
     _check_placeholders(state, prompt)
     return prompt
 
 
+def _check_videos(state: RouterState, refs: list[ImageRef], kwargs: dict[str, Any] | None) -> None:
+    if not refs:
+        return
+    limit = state.config.max_videos_per_request
+    if len(refs) > limit:
+        raise InvalidRequestError(f"too many videos: {len(refs)} (this server accepts at most {limit} "
+                                  "per request)", param="messages", code="too_many_videos")
+    model = video_model(str(state.config.model))
+    if model is None:  # LLaVA: no video placeholder; it would need the frames sent as images
+        raise InvalidRequestError(f"model {state.model_name} does not accept video input; send sampled "
+                                  "frames as image_url parts", param=refs[0].param, code="unsupported_content")
+    resolve_options(kwargs, model, state.config)  # bad options fail before any fetch
+
+
 def _process(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef],
-             blobs: list[bytes], add_generation_prompt: bool = True) -> Any:
-    """Read each image's size from its header (no pixel is decoded here: the encode instance
-    decodes, once) and apply the template. Runs in a worker thread (hashing and
-    tokenization are CPU work that must not stall the event loop)."""
+             blobs: list[bytes], add_generation_prompt: bool = True,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> tuple[Any, dict[str, bytes]]:
+    """Read each image's size from its header and each video's frames and timing from its
+    container (no pixel is decoded here: the encode instance decodes, once), apply the
+    template and expand the video runs. Runs in a worker thread (hashing, demuxing and
+    tokenization are CPU work that must not stall the event loop). Also returns the bytes
+    by content hash."""
     images = []
+    videos = []
+    by_hash: dict[str, bytes] = {}
     budget = state.config.max_request_pixels
+    video_refs = [(ref, blob) for ref, blob in zip(refs, blobs, strict=True) if ref.kind == "video"]
+    if video_refs:
+        model = video_model(str(state.config.model))
+        assert model is not None  # _check_videos refused the request otherwise
+        cfg, options, resolved = resolve_options(mm_processor_kwargs, model, state.config)
+        limits = limits_of(state.config)
+        for ref, blob in video_refs:
+            videos.append(probe_video(blob, ref.param, model, cfg, options, resolved, limits))
+            by_hash[videos[-1].content_hash] = blob
     for ref, blob in zip(refs, blobs, strict=True):
+        if ref.kind != "image":
+            continue
         try:
             # The MM cache key is the hash of the bytes the client sent.
             image = ImageInput.probe(blob, state.config.max_image_pixels)
@@ -125,10 +166,14 @@ def _process(state: RouterState, messages: list[dict[str, Any]], refs: list[Imag
                                       "pixels in all; send fewer or smaller images", param=ref.param,
                                       code="image_too_large")
         images.append(image)
+        by_hash[image.content_hash] = blob
     try:
-        return state.processor.process(messages, images, add_generation_prompt=add_generation_prompt)
+        processed = state.processor.process(messages, images, add_generation_prompt=add_generation_prompt)
+        if videos:
+            processed = expand_videos(processed, model.video_token_id, cfg.merge_size, videos)
     except ProcessorError as exc:  # the processor's contract: these are bad input
         raise InvalidRequestError(str(exc), param="messages") from None
+    return processed, by_hash
 
 
 def _check_placeholders(state: RouterState, prompt: Prompt) -> None:

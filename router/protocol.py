@@ -43,11 +43,20 @@ class ImagePart(_Strict):
         return {"url": value} if isinstance(value, str) else value
 
 
-class VideoPart(BaseModel):
-    """Parsed so the request gets a clear 'not supported yet' instead of a schema error."""
+class VideoURL(_Strict):
+    url: str  # data:video/...;base64,... or http(s) (same allow-list as images)
 
-    model_config = ConfigDict(extra="allow")
+
+class VideoPart(_Strict):
+    """A video (vLLM's `video_url` part): sampled and sized by the request's `mm_processor_kwargs`."""
+
     type: Literal["video_url"]
+    video_url: VideoURL
+
+    @field_validator("video_url", mode="before")
+    @classmethod
+    def _bare_url(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
 
 
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
@@ -131,6 +140,9 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    # vLLM's per-request processor options; for videos: fps (default 2), num_frames,
+    # min_frames, max_frames, min_pixels, max_pixels (router/videos.py checks the keys).
+    mm_processor_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

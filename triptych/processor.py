@@ -21,7 +21,7 @@ import json
 import math
 import struct
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -82,13 +82,17 @@ class MMItem:
     width: int  # of the image as given (before the processor's resize)
     height: int
     second_per_grid_t: float | None = None  # Qwen2.5-VL videos: M-RoPE temporal spacing
+    # Videos: the resolved sampling/pixel options (stage_protocol.VideoOptions fields) the
+    # encoder needs to decode the same frames the router counted.
+    video_options: Mapping[str, Any] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
     token_ids: list[int]
     mm_items: list[MMItem] = field(default_factory=list)
-    # The decoded images, aligned with mm_items (what the encode stage needs).
+    # The decoded images, in image order: aligned with the "image" items of mm_items (a
+    # video item has no entry here).
     images: list[ImageInput] = field(default_factory=list, repr=False, compare=False)
 
     @property

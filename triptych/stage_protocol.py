@@ -14,12 +14,32 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from triptych.sampling_params import SamplingParams
 from triptych.topology import Stage
 
 Handle = dict[str, Any]  # a serialised transfer BlockHandle; opaque outside the worker
+
+
+class VideoOptions(BaseModel):
+    """How the router sampled and sized a video (vLLM-style `mm_processor_kwargs`, resolved
+    over the checkpoint's defaults): the encoder decodes the same frames at the same size,
+    so its tokens match the placeholder run the router counted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fps: float | None = None
+    num_frames: int | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The frame-sampling keys (worker.video.SamplingOptions), unset ones left out."""
+        keys = ("fps", "num_frames", "min_frames", "max_frames")
+        return {k: v for k in keys if (v := getattr(self, k)) is not None}
 
 
 class MMItemSpec(BaseModel):
@@ -30,6 +50,16 @@ class MMItemSpec(BaseModel):
     length: int = Field(ge=1)
     content_hash: str
     grid_thw: tuple[int, int, int] | None = None
+    second_per_grid_t: float | None = None  # Qwen2.5-VL videos: M-RoPE temporal spacing
+    video: VideoOptions | None = None  # videos: how to sample and size the frames
+
+    @classmethod
+    def of(cls, item: Any) -> MMItemSpec:
+        """From a `triptych.processor.MMItem` (the router's prompt items)."""
+        video = getattr(item, "video_options", None)
+        return cls(kind=item.kind, offset=item.offset, length=item.length, content_hash=item.content_hash,
+                   grid_thw=item.grid_thw, second_per_grid_t=getattr(item, "second_per_grid_t", None),
+                   video=VideoOptions.model_validate(dict(video)) if video is not None else None)
 
 
 class MMSource(BaseModel):
@@ -53,7 +83,8 @@ class StageRequest(BaseModel):
     stages: list[Stage] = Field(min_length=1)
     prompt_token_ids: list[int] = Field(min_length=1)
     mm_items: list[MMItemSpec] = []
-    # base64 of the original image bytes, keyed by content hash: the items to encode here.
+    # base64 of the original image or video bytes, keyed by content hash: the items to
+    # encode here (each item's `kind` says which).
     images: dict[str, str] = {}
     mm_sources: list[MMSource] = []
     kv_source: KVSource | None = None

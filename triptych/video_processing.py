@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,7 @@ class VideoTokens:
     width: int
     height: int
     second_per_grid_t: float | None = None
+    options: Mapping[str, Any] | None = None  # the sampling/pixel options (MMItem.video_options)
 
 
 def expand_videos(prompt: ProcessedPrompt, video_token_id: int, merge_size: int,
@@ -223,7 +224,7 @@ def expand_videos(prompt: ProcessedPrompt, video_token_id: int, merge_size: int,
         length = t * h * w // merge_size**2
         items.append(MMItem(kind="video", index=index, offset=len(out), length=length, grid_thw=video.grid_thw,
                             content_hash=video.content_hash, width=video.width, height=video.height,
-                            second_per_grid_t=video.second_per_grid_t))
+                            second_per_grid_t=video.second_per_grid_t, video_options=video.options))
         out.extend([video_token_id] * length)
         shifts.append((pos, len(out) - pos - 1))
         start = pos + 1

@@ -10,6 +10,7 @@ Failures are typed; `errors.http_status` decides their status.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import AsyncIterator
 from typing import Any
@@ -55,12 +56,26 @@ async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, l
             prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token)
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
                       images=images, stages=frozenset(sreq.stages), prefilled=prefilled)
+        await _decode_videos(inst, sreq, req)
     except BaseException:
         migration.release_embeddings(reserved)
         if prefilled is not None:
             migration.discard_kv(prefilled.block_ids)
         raise
     return req, reserved
+
+
+async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request) -> None:
+    """Decode and patchify the videos this run encodes in a worker thread (decoding takes
+    far longer than an image's: it must not stall the event loop); admission then finds
+    their vision inputs ready. Typed errors: a bad video is a 400."""
+    if Stage.ENCODE not in req.stages or inst.engine is None:
+        return
+    videos = inst.engine.admission.videos
+    for item in req.mm_items:
+        h = item.content_hash
+        if item.kind == "video" and h in req.images and h not in req.vision_inputs:
+            req.vision_inputs[h] = await asyncio.to_thread(videos.prepare, req.images[h], item)
 
 
 def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int) -> list[BaseModel]:

@@ -1,8 +1,8 @@
 """Request admission: everything `Engine.add_request` checks, in the caller's thread.
 
 A request that passes is ready for the loop: images decoded and preprocessed for the
-vision tower (inputs.py), positions computed (RoPE or M-RoPE), its seed resolved, its
-stop-string matcher and detokenizer set up. A request that fails raises a typed
+vision tower (inputs.py), videos decoded and patchified (video_inputs.py), positions
+computed (RoPE or M-RoPE), its seed resolved, its stop-string matcher and detokenizer set up. A request that fails raises a typed
 `RequestValidationError` and never reaches the loop.
 """
 
@@ -27,6 +27,7 @@ from triptych.worker.engine.request import (
     StageNotServedError,
 )
 from triptych.worker.engine.sampling import resolve_seed
+from triptych.worker.engine.video_inputs import VideoInputs
 
 if TYPE_CHECKING:
     from triptych.worker.models.loader import LoadedModel
@@ -48,6 +49,7 @@ class Admission:
         self.tokenizer = tokenizer
         self._lock = lock  # the engine's: guards the MM cache lookup
         self._in_use = in_use  # the engine's request ids, added and not finished
+        self.videos = VideoInputs(config.model, model.vision)
 
     def validate(self, req: Request) -> None:
         """Raise a `RequestValidationError` subclass, or prepare `req` for the loop."""
@@ -120,9 +122,12 @@ class Admission:
                 if h in cached or req.prefilled is not None:
                     continue
                 where = "given to encode" if encodes_here else "in this instance's MM cache (pull it first)"
-                raise MissingEmbeddingError(f"image {h[:16]} at offset {item.offset} is not {where}")
-            image = decode_image(req.images[h], self.config.max_image_pixels)
+                raise MissingEmbeddingError(f"{item.kind} {h[:16]} at offset {item.offset} is not {where}")
             assert self.vision is not None
+            if item.kind == "video":
+                req.vision_inputs[h] = self.videos.prepare(req.images[h], item)
+                continue
+            image = decode_image(req.images[h], self.config.max_image_pixels)
             vin = self.vision.preprocess(image)
             if vin.num_tokens != item.length:
                 raise RequestValidationError(

@@ -1,0 +1,167 @@
+"""video_url parts at the router: demuxed (never decoded) to count the tokens, placeholder
+runs expanded after the images, the resolved sampling options carried to the encoder, and
+every bad video or option a 400 with an OpenAI error body."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+from functools import cache
+
+import httpx
+import pytest
+from routerkit import ScriptedBackend, chat_body, image_part, png_bytes
+
+from triptych.processor import MultimodalProcessor
+from triptych.router.api import create_app
+from triptych.router.config import RouterConfig
+from triptych.stage_protocol import MMItemSpec
+from triptych.worker.video import video_id
+from triptych.worker.video.synthetic import make_clip
+
+
+@cache
+def clip(frames: int = 48) -> bytes:
+    return make_clip(frames, width=112, height=56, fps=24, codec="libx264", gop=12, b_frames=2, seed=3)
+
+
+def video_part(data: bytes, media: str = "video/mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": f"data:{media};base64,{base64.b64encode(data).decode()}"}}
+
+
+async def test_video_is_counted_and_expanded(client: httpx.AsyncClient, backend: ScriptedBackend,
+                                             qwen2_vl_dir) -> None:
+    png = png_bytes(56, 56)
+    body = chat_body([image_part(png), video_part(clip()), {"type": "text", "text": "what happens?"}],
+                     mm_processor_kwargs={"fps": 7})
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    (req,) = backend.requests
+    image, video = req.mm_items
+    assert (image.kind, video.kind) == ("image", "video")
+    # 48 frames at 24 fps sampled at 7 fps: 14 frames, grid t 7; 112x56 -> 4x8 patches.
+    assert video.grid_thw == (7, 4, 8) and video.length == 7 * 4 * 8 // 4
+    assert req.images == [png, clip()]
+    assert req.prompt_token_ids[video.offset:video.offset + video.length] == [
+        req.prompt_token_ids[video.offset]] * video.length
+    spec = MMItemSpec.of(video)
+    assert spec.kind == "video" and spec.video is not None and spec.video.fps == 7
+    assert spec.video.min_pixels == 3136 and spec.video.max_pixels == 12544
+
+
+async def test_default_is_two_fps(client: httpx.AsyncClient, backend: ScriptedBackend) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat_body([video_part(clip())]))
+    assert resp.status_code == 200, resp.text
+    (video,) = backend.requests[0].mm_items
+    assert video.grid_thw == (2, 4, 8)  # 2 s at 2 fps = 4 frames = 2 temporal patches
+    assert MMItemSpec.of(video).video.fps == 2.0
+
+
+async def test_cache_key_covers_the_sampling(client: httpx.AsyncClient, backend: ScriptedBackend) -> None:
+    """The MM cache must not hand a 2 fps embedding to a 7 fps request of the same clip."""
+    for kwargs in ({"fps": 2}, {"fps": 2.0}, {"fps": 7}, {"fps": 2, "max_pixels": 50000}):
+        resp = await client.post("/v1/chat/completions", json=chat_body([video_part(clip())],
+                                                                          mm_processor_kwargs=kwargs))
+        assert resp.status_code == 200, resp.text
+    keys = [r.mm_items[0].content_hash for r in backend.requests]
+    assert keys[0] == keys[1] and len({keys[0], keys[2], keys[3]}) == 3
+    assert video_id(clip()) not in keys
+
+
+def _audio_only() -> bytes:
+    import io
+
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as container:
+        video = container.add_stream("mpeg4", rate=24)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=16000)
+        audio.layout = "mono"
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate, frame.pts = 16000, 0
+        for packet in [*audio.encode(frame), *audio.encode()]:
+            container.mux(packet)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(("case", "code"), [
+    ("truncated", "invalid_video"),
+    ("not-a-video", "invalid_video"),
+    ("unsupported-codec", "unsupported_video_codec"),
+    ("too-long", "video_too_long"),
+    ("too-large-pixels", "video_too_large"),
+    ("too-large-bytes", "video_too_large"),
+    ("zero-frames", "empty_video"),
+    ("image-media-type", "invalid_image_url"),
+])
+async def test_bad_videos_are_400(case: str, code: str, config: RouterConfig, backend: ScriptedBackend,
+                                  make_client: Callable[..., httpx.AsyncClient]) -> None:
+    good = clip()
+    data, limits, media = {
+        "truncated": (good[: len(good) // 2], {}, "video/mp4"),
+        "not-a-video": (b"this is not a video " * 50, {}, "video/mp4"),
+        "unsupported-codec": (png_bytes(32, 32), {}, "video/mp4"),
+        "too-long": (good, {"max_video_duration_s": 1.0}, "video/mp4"),
+        "too-large-pixels": (good, {"max_video_frame_pixels": 64 * 32}, "video/mp4"),
+        "too-large-bytes": (good, {"max_video_bytes": len(good) - 10}, "video/mp4"),
+        "zero-frames": (_audio_only(), {}, "video/x-matroska"),
+        "image-media-type": (good, {}, "image/png"),
+    }[case]
+    async with make_client(config.model_copy(update=limits), backend) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body([video_part(data, media)]))
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"]
+        assert error["code"] == code if case != "image-media-type" else "not a video type" in error["message"]
+        assert error["param"] == "messages[0].content[0].video_url"
+        assert not backend.requests
+        if not limits:
+            ok = await client.post("/v1/chat/completions", json=chat_body([video_part(good)]))
+            assert ok.status_code == 200  # and the router keeps serving
+
+
+@pytest.mark.parametrize("kwargs", [{"fps": 0}, {"fps": 2, "num_frames": 4}, {"bogus": 1},
+                                    {"max_pixels": 10}, {"num_frames": 100_000}])
+async def test_bad_mm_processor_kwargs_are_400(kwargs: dict, client: httpx.AsyncClient,
+                                               backend: ScriptedBackend) -> None:
+    resp = await client.post("/v1/chat/completions", json=chat_body([video_part(clip())],
+                                                                      mm_processor_kwargs=kwargs))
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "mm_processor_kwargs" and not backend.requests
+
+
+async def test_too_many_videos(config: RouterConfig, backend: ScriptedBackend,
+                               make_client: Callable[..., httpx.AsyncClient]) -> None:
+    async with make_client(config.model_copy(update={"max_videos_per_request": 1}), backend) as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body([video_part(clip()), video_part(clip())]))
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "too_many_videos"
+
+
+async def test_http_video_needs_the_allow_list(client: httpx.AsyncClient) -> None:
+    part = {"type": "video_url", "video_url": {"url": "http://videos.example.com/a.mp4"}}
+    resp = await client.post("/v1/chat/completions", json=chat_body([part]))
+    assert resp.status_code == 400 and "disabled" in resp.json()["error"]["message"]
+
+
+async def test_llava_refuses_video(llava_dir, backend: ScriptedBackend) -> None:
+    config = RouterConfig(model=llava_dir, served_model_name="tiny-qwen", max_model_len=512)
+    app = create_app(config, backend, processor=MultimodalProcessor.from_pretrained(llava_dir))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+        resp = await client.post("/v1/chat/completions", json=chat_body([video_part(clip())]))
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "unsupported_content" and "does not accept video" in error["message"]
+    assert not backend.requests
+
+
+async def test_tokenize_counts_video_tokens_as_chat_does(client: httpx.AsyncClient,
+                                                         backend: ScriptedBackend) -> None:
+    body = chat_body([video_part(clip()), {"type": "text", "text": "hi"}], mm_processor_kwargs={"fps": 7})
+    tok = await client.post("/tokenize", json={"messages": body["messages"],
+                                               "mm_processor_kwargs": {"fps": 7}})
+    assert tok.status_code == 200, tok.text
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    assert tok.json()["tokens"] == backend.requests[0].prompt_token_ids and tok.json()["count"] > 56

@@ -1,0 +1,108 @@
+"""A video item's bytes -> the vision tower's input, on the instance that encodes it.
+
+Without a V instance the encode-capable instance decodes the video itself: a
+`CollaborativeDecoder` (FlashCodec §3.2-3.3, paper 000: GOP-aligned segments over a few
+single-threaded decoder threads) samples exactly the frames the router counted (the
+request's resolved `VideoOptions`), `triptych.video_processing` patchifies them with the
+same pixel bounds, and `QwenVisionModel.video_input` wraps the patches. The token count
+is checked against the item's placeholder run: a mismatch is a 400, never a garbled answer.
+
+With video decoder services (`TRIPTYCH_VIDEO_DECODERS=url,url`: worker/video/service.py,
+the V instance's work) the pool also holds one `RemoteSlot` per service, so one video's
+GOP sets decode on this instance and the services at once (stall-free: a free slot takes
+the next set). Until the topology knows V instances this list is static configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import Counter
+
+from triptych.processor import ProcessorError
+from triptych.video_processing import VideoProcessorConfig, preprocess_frames
+from triptych.worker.engine.request import RequestValidationError
+from triptych.worker.transfer.base import registry_metric
+from triptych.worker.video import CollaborativeDecoder, LocalSlot, SamplingOptions, VideoError, VideoLimits
+from triptych.worker.video.remote import RemoteSlot
+
+VIDEOS_DECODED: Counter = registry_metric(
+    Counter, "triptych_worker_videos_decoded_total", "Videos decoded on this instance, by where they were decoded",
+    ["where"])
+DECODERS = 2  # decoder threads per instance: PyAV releases the GIL, so they run in parallel
+DECODE_TIMEOUT_S = 120.0
+DECODERS_ENV = "TRIPTYCH_VIDEO_DECODERS"
+
+
+class InvalidVideoInputError(RequestValidationError):
+    """A video the encoder cannot decode, or whose decoded frames do not fill its placeholder run."""
+
+
+class VideoInputs:
+    """Decodes and preprocesses video items for one engine's vision tower."""
+
+    def __init__(self, model_dir: str, vision: Any, remote_urls: list[str] | None = None) -> None:
+        self.vision = vision
+        self._model_dir = model_dir
+        if remote_urls is None:
+            remote_urls = [u.strip() for u in os.environ.get(DECODERS_ENV, "").split(",") if u.strip()]
+        self.remote_urls = remote_urls
+        self._config: VideoProcessorConfig | None = None
+        self._pool: CollaborativeDecoder | None = None
+        self._lock = threading.Lock()
+
+    def _setup(self) -> tuple[VideoProcessorConfig, CollaborativeDecoder]:
+        with self._lock:  # built at the first video: text and image instances never pay for it
+            if self._config is None:
+                self._config = VideoProcessorConfig.from_pretrained(self._model_dir)
+            if self._pool is None:
+                slots = [RemoteSlot(u, timeout_s=DECODE_TIMEOUT_S) for u in self.remote_urls]
+                self._pool = CollaborativeDecoder(slots=[*slots, *(LocalSlot() for _ in range(DECODERS))])
+            return self._config, self._pool
+
+    def prepare(self, data: bytes, item: Any) -> Any:
+        """The `VisionInput` of one video item (MMItemSpec or processor.MMItem)."""
+        if not hasattr(self.vision, "video_input"):
+            raise InvalidVideoInputError("this model takes no video input")
+        options = _options(item)
+        config, pool = self._setup()
+        try:
+            config = config.with_pixel_bounds(options.get("min_pixels"), options.get("max_pixels"))
+            sampling = SamplingOptions.from_request(
+                {k: v for k, v in options.items() if k in SamplingOptions.model_fields}, config.sampling_defaults())
+            video = pool.decode(bytes(data), config.temporal_patch_size, sampling, VideoLimits(),
+                                timeout=DECODE_TIMEOUT_S)
+            patches = preprocess_frames(video.frames(), config)
+        except (VideoError, ProcessorError, ValueError) as exc:
+            raise InvalidVideoInputError(f"video {item.content_hash[:16]}: {exc}") from exc
+        except TimeoutError as exc:
+            raise InvalidVideoInputError(f"video {item.content_hash[:16]} did not decode in "
+                                         f"{DECODE_TIMEOUT_S:g}s") from exc
+        # A failing decoder service raises RemoteDecoderError (a RuntimeError): ours, a 500.
+        VIDEOS_DECODED.labels("encoder+v" if self.remote_urls else "encoder").inc()
+        vin = self.vision.video_input(patches.pixel_values_videos, patches.grid_thw)
+        if vin.num_tokens != item.length or (item.grid_thw is not None
+                                             and tuple(item.grid_thw) != tuple(patches.grid_thw)):
+            raise InvalidVideoInputError(
+                f"video {item.content_hash[:16]} gives grid {patches.grid_thw} ({vin.num_tokens} tokens) but its "
+                f"placeholder run has {item.length} tokens (grid {item.grid_thw})")
+        return vin
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+
+
+def _options(item: Any) -> dict[str, Any]:
+    video = getattr(item, "video", None)  # stage_protocol.MMItemSpec
+    if video is not None and hasattr(video, "model_dump"):
+        return {k: v for k, v in video.model_dump().items() if v is not None}
+    opts = getattr(item, "video_options", None)  # processor.MMItem
+    if isinstance(opts, Mapping):
+        return {k: v for k, v in opts.items() if v is not None}
+    return {}
