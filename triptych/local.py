@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -22,6 +23,26 @@ import httpx
 from triptych.topology import InstanceType, parse_topology
 
 log = logging.getLogger("triptych.local")
+INTERNAL_TOKEN_ENV = "TRIPTYCH_INTERNAL_TOKEN"
+ADMIN_TOKEN_ENV = "TRIPTYCH_ADMIN_TOKEN"
+
+
+def admin_token_for_serve(path: str | None) -> tuple[str, Path | None]:
+    """`triptych serve`'s admin token: from `path`, else TRIPTYCH_ADMIN_TOKEN, else a fresh
+    one written (mode 0600) to ~/.cache/triptych/admin-token; returns it and where it
+    was written (None when the user gave it)."""
+    if path:
+        return Path(path).read_text().strip(), None
+    if os.environ.get(ADMIN_TOKEN_ENV, "").strip():
+        return os.environ[ADMIN_TOKEN_ENV].strip(), None
+    token = secrets.token_urlsafe(32)
+    out = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triptych" / "admin-token"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(out, 0o600)  # an existing file keeps its mode through O_CREAT
+    return token, out
 
 
 class StartupError(RuntimeError):
@@ -68,6 +89,19 @@ class LocalDeployment:
     startup_timeout_s: float = 180.0
     log_dir: Path | None = None
     processes: list[Process] = field(default_factory=list)
+    # Workers' /internal token (fresh per deployment, only the children get it) and the
+    # /admin token (TRIPTYCH_ADMIN_TOKEN if set); both reach the children by environment.
+    internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    admin_token: str = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV, "").strip()
+                             or secrets.token_urlsafe(32), repr=False)
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.admin_token}"}
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.internal_token}"}
 
     @property
     def router_url(self) -> str:
@@ -85,6 +119,7 @@ class LocalDeployment:
         env = dict(os.environ)
         threads = str(self._threads_per_instance())
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TRIPTYCH_THREADS=threads)
+        env.update({INTERNAL_TOKEN_ENV: self.internal_token, ADMIN_TOKEN_ENV: self.admin_token})
         out = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +218,11 @@ def _router_passthrough(args: argparse.Namespace) -> list[str]:
 
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    admin_token, written = admin_token_for_serve(getattr(args, "admin_token_file", None))
+    if written is not None:
+        print(f"admin token (for the workers' /admin/* and the router's full /health): {written}", flush=True)
     deployment = LocalDeployment(
+        admin_token=admin_token,
         model=resolve_model(args.model),
         topology=parse_topology(args.topology),
         host=args.host,

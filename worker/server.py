@@ -3,8 +3,9 @@ here: the instance's role lifecycle is instance.py, a stage run (and the migrati
 and offers around it) is stage_run.py, statuses come from errors.py.
 
 Endpoints: `POST /internal/run` runs a contiguous run of a request's stages and streams
-NDJSON events back to the router; `POST /internal/abort/{id}`; `/admin/role`,
-`/admin/stats`; `/health`, `/ready`, `/metrics`.
+NDJSON events back to the router; `POST /internal/abort/{id}` (both need the internal
+token); `/admin/role`, `/admin/stats` (the admin token; auth.py); `/health`, `/ready`,
+`/live`, `/metrics` (open, and free of secrets: no agent metadata, handles or leases).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from triptych.stage_protocol import RoleSwitch, StageRequest
 from triptych.topology import UNASSIGNED, InstanceType
+from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.engine.request import RequestValidationError
 from triptych.worker.errors import BadPayloadError, NotServingError, http_status
 from triptych.worker.instance import InstanceRuntime
@@ -44,7 +46,8 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
-def create_app(settings: WorkerSettings) -> FastAPI:
+def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
+    """The worker app; `auth` guards /internal and /admin (WorkerAuth.open() for none)."""
     inst = InstanceRuntime(settings)
 
     @asynccontextmanager
@@ -59,6 +62,13 @@ def create_app(settings: WorkerSettings) -> FastAPI:
 
     app = FastAPI(title="triptych worker", lifespan=lifespan)
     app.state.instance = inst
+    app.add_middleware(AuthMiddleware, auth=auth)
+
+    @app.get("/live")
+    async def live() -> dict[str, bool]:
+        # Liveness only: the process answers. 200 while loading, draining or switching
+        # roles too, so a slow switch never gets the container killed.
+        return {"live": True}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -153,7 +163,13 @@ def cli_main(args: argparse.Namespace) -> int:
         "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66)})
-    app = create_app(settings)
+    try:
+        auth = WorkerAuth.load(args.internal_token_file, args.admin_token_file, args.insecure_no_auth)
+    except MissingTokenError as exc:
+        raise SystemExit(str(exc)) from exc
+    if auth.insecure:
+        log.warning("--insecure-no-auth: /internal and /admin are open to anyone who can connect")
+    app = create_app(settings, auth)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30)
     DrainingServer(config, app.state.instance).run()

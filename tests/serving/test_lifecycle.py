@@ -100,14 +100,14 @@ def test_unclaimed_handoff_expires_and_frees(epd3) -> None:
         [{"role": "user", "content": "Hello there, this is a prompt."}], []).token_ids
     sreq = {"request_id": "orphan-1", "stages": ["prefill"], "prompt_token_ids": ids,
             "sampling": {"temperature": 0, "max_tokens": 50, "ignore_eos": True}}
-    with httpx.stream("POST", f"{p.url}/internal/run", json=sreq, timeout=30) as r:
+    with httpx.stream("POST", f"{p.url}/internal/run", json=sreq, headers=dep.internal_headers, timeout=30) as r:
         events = [json.loads(line) for line in r.iter_lines() if line.strip()]
     assert [e["type"] for e in events] == ["prefilled"], events
-    held = httpx.get(f"{p.url}/admin/stats").json()
+    held = httpx.get(f"{p.url}/admin/stats", headers=dep.admin_headers).json()
     assert held["kv_cache"]["used"] == len(events[0]["kv"]["handle"]["block_ids"]) > 0
     assert held["leases_outstanding"] == 1
     time.sleep(3.5)  # --lease-seconds 3
-    after = httpx.get(f"{p.url}/admin/stats").json()
+    after = httpx.get(f"{p.url}/admin/stats", headers=dep.admin_headers).json()
     assert after["kv_cache"]["used"] == 0 and after["leases_outstanding"] == 0
     metrics = httpx.get(f"{p.url}/metrics").text
     assert 'triptych_worker_lease_expired_total{region="kv"} 1.0' in metrics
@@ -156,14 +156,15 @@ def test_role_switch_unassigned_to_p_then_d(tmp_path: Path) -> None:
         u = next(w for w in dep.workers if "unassigned" in w.name)
         assert httpx.get(f"{u.url}/health").json()["role"] == "unassigned"
         for role, counter in (("P", "prefill_tokens"), ("D", "decode_tokens")):
-            r = httpx.post(f"{u.url}/admin/role", json={"role": role}, timeout=120)
+            r = httpx.post(f"{u.url}/admin/role", json={"role": role}, headers=dep.admin_headers,
+                           timeout=120)
             assert r.status_code == 200 and r.json()["role"] == role
             time.sleep(1.5)  # the router sees the new role at its next health poll
             for _ in range(2):  # round-robin: every request pair touches the switched instance
                 results = asyncio.run(servekit.run_all(dep.router_url,
                                                        [c.openai_body(model.name) for c in cases]))
                 assert [r["token_ids"] for r in results] == expected
-            s = httpx.get(f"{u.url}/admin/stats").json()
+            s = httpx.get(f"{u.url}/admin/stats", headers=dep.admin_headers).json()
             assert s["role"] == role and s["counters"][counter] > 0
-        bad = httpx.post(f"{u.url}/admin/role", json={"role": "XYZ"})
+        bad = httpx.post(f"{u.url}/admin/role", json={"role": "XYZ"}, headers=dep.admin_headers)
         assert bad.status_code == 400

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from triptych.stage_protocol import KVSource, MMSource
+from triptych.worker.auth import WorkerAuth
 from triptych.worker.engine.kv_cache import OutOfBlocksError
 from triptych.worker.engine.request import RequestOutput, RequestValidationError
 from triptych.worker.errors import (
@@ -311,7 +312,7 @@ def test_engine_failures_after_admission_are_5xx() -> None:
 
 
 def test_unassigned_worker_refuses_a_stage_run_with_503() -> None:
-    app = create_app(WorkerSettings(model="unused", instance_id="w-test"))
+    app = create_app(WorkerSettings(model="unused", instance_id="w-test"), WorkerAuth.open())
     with TestClient(app) as client:
         r = client.post("/internal/run", json={"request_id": "r1", "stages": ["prefill"], "prompt_token_ids": [1]})
     assert r.status_code == 503
