@@ -18,7 +18,12 @@ class NotServingError(Exception):
 
 
 class BadPayloadError(ValueError):
-    """A field of the stage request cannot be decoded (e.g. an image that is not base64)."""
+    """A field of the stage request cannot be decoded (e.g. an image that is not base64),
+    or does not match what it claims (image bytes that do not hash to their content hash)."""
+
+
+class OverloadedError(Exception):
+    """This instance's bounded image-decode queue is full: retry elsewhere or later."""
 
 
 # First match wins: subclasses before their bases.
@@ -28,6 +33,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (BadHandleError, 400),
     (NoFreeBlocksError, 503),
     (NotServingError, 503),
+    (OverloadedError, 503),
     (PullFailedError, 502),
     (TimeoutError, 504),
 )

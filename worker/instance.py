@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from triptych.topology import UNASSIGNED, InstanceType
+from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
 from triptych.worker.migration import MigrationService
 from triptych.worker.settings import WorkerSettings
@@ -33,6 +34,8 @@ class InstanceRuntime:
         self.inflight = 0
         self.transfer_bytes: dict[str, int] = {}  # transport -> bytes pulled, across roles
         self._switch_lock = asyncio.Lock()
+        # Image decode and preprocessing run here, never on the event loop (admission.py).
+        self.decode_pool = DecodePool(settings.decode_threads, settings.decode_queue)
 
     # -- role --------------------------------------------------------------------------
     def _build(self, role: InstanceType) -> tuple[Engine, TransferEngine, MigrationService]:

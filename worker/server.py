@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,7 +30,7 @@ from triptych.stage_protocol import RoleSwitch, StageRequest
 from triptych.topology import UNASSIGNED, InstanceType
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.engine.request import RequestValidationError
-from triptych.worker.errors import BadPayloadError, NotServingError, http_status
+from triptych.worker.errors import BadPayloadError, NotServingError, OverloadedError, http_status
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import InstanceCollector
 from triptych.worker.migration import MigrationError
@@ -39,7 +40,7 @@ from triptych.worker.stage_run import prepare, stream
 log = logging.getLogger("triptych.worker.server")
 
 # Failures a stage run may raise before its stream starts; each maps to a status in errors.py.
-_REFUSALS = (RequestValidationError, BadPayloadError, NotServingError, MigrationError)
+_REFUSALS = (RequestValidationError, BadPayloadError, NotServingError, OverloadedError, MigrationError)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -58,6 +59,7 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
             await inst.switch(settings.role)
         yield
         inst.teardown()
+        inst.decode_pool.close()
         REGISTRY.unregister(collector)
 
     app = FastAPI(title="triptych worker", lifespan=lifespan)
@@ -149,6 +151,10 @@ class DrainingServer(uvicorn.Server):
 
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The event loop shares the GIL with the decode pool and the engine thread; each time it
+    # wakes (a /health probe: accept, read, write) it may wait a full switch interval for
+    # a busy thread to let go. 1 ms instead of 5 keeps probes fast while images decode.
+    sys.setswitchinterval(0.001)
     threads = args.threads or int(os.environ.get("TRIPTYCH_THREADS", "0")) or None
     if threads:
         torch.set_num_threads(threads)

@@ -23,6 +23,8 @@ class WorkerSettings(BaseModel):
     lease_seconds: float = 30.0
     pull_timeout_s: float = 20.0  # below lease_seconds: the source must not free mid-READ
     drain_timeout_s: float = 60.0
+    decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
+    decode_queue: int = 16  # image jobs running or queued before stage runs get 503
     max_model_len: int | None = None
     token_budget: int | None = None
     image_budget: int | None = None
