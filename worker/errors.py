@@ -9,7 +9,12 @@ its callers reads an error's message to choose a status.
 from __future__ import annotations
 
 from triptych.worker.engine.request import RequestOutput, RequestValidationError
-from triptych.worker.migration.errors import BadHandleError, NoFreeBlocksError, PullFailedError
+from triptych.worker.migration.errors import (
+    BadHandleError,
+    HandoffExpiredError,
+    NoFreeBlocksError,
+    PullFailedError,
+)
 
 
 class NotServingError(Exception):
@@ -32,6 +37,7 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (BadPayloadError, 400),
     (BadHandleError, 400),
     (NoFreeBlocksError, 503),
+    (HandoffExpiredError, 503),
     (NotServingError, 503),
     (OverloadedError, 503),
     (PullFailedError, 502),

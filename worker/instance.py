@@ -51,7 +51,8 @@ class InstanceRuntime:
         if engine.mm is not None:
             transfer.register("mm", engine.mm.tensor)
         migration = MigrationService(engine, transfer, lease_seconds=s.lease_seconds,
-                                     pull_timeout_s=s.pull_timeout_s, bytes_pulled=self.transfer_bytes)
+                                     pull_timeout_s=s.pull_timeout_s, bytes_pulled=self.transfer_bytes,
+                                     lease_margin_s=s.lease_margin_s)
         engine.start()
         return engine, transfer, migration
 

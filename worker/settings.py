@@ -22,6 +22,7 @@ class WorkerSettings(BaseModel):
     transfer_require: Literal["any", "nixl"] = "any"
     lease_seconds: float = 30.0
     pull_timeout_s: float = 20.0  # below lease_seconds: the source must not free mid-READ
+    lease_margin_s: float = 1.0  # handles' expiry is this much before the source frees
     drain_timeout_s: float = 60.0
     decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
     decode_queue: int = 16  # image jobs running or queued before stage runs get 503
