@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from pydantic import ValidationError
 
 from triptych.stage_protocol import RoleSwitch, StageRequest
 from triptych.topology import UNASSIGNED, InstanceType
@@ -105,7 +106,16 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         return JSONResponse({"role": inst.role, "status": inst.status})
 
     @app.post("/internal/run")
-    async def run(sreq: StageRequest) -> Response:
+    async def run(http: HttpRequest) -> Response:
+        # Parsed on the decode pool: a body with several large images is tens of MB of JSON,
+        # which would stall the event loop (and /health) for as long as it takes to parse.
+        body = await http.body()
+        try:
+            sreq = await inst.decode_pool.run(StageRequest.model_validate_json, body)
+        except ValidationError as exc:
+            return _error(422, f"invalid stage request: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
+        except OverloadedError as exc:
+            return _error(http_status(exc), str(exc))
         try:
             req, reserved = await prepare(inst, sreq)
         except _REFUSALS as exc:
