@@ -106,6 +106,12 @@ def test_unclaimed_handoff_expires_and_frees(epd3) -> None:
     held = httpx.get(f"{p.url}/admin/stats", headers=dep.admin_headers).json()
     assert held["kv_cache"]["used"] == len(events[0]["kv"]["handle"]["block_ids"]) > 0
     assert held["leases_outstanding"] == 1
+    handle = events[0]["kv"]["handle"]
+    for path in ("/health", "/ready", "/live", "/metrics"):  # open endpoints hold no secret of the lease
+        text = httpx.get(f"{p.url}{path}").text
+        assert handle["agent_metadata"] not in text and handle["lease_secret"] not in text, path
+        assert handle["lease_id"] not in text and dep.internal_token not in text, path
+    assert httpx.post(f"{p.url}/internal/run", json=sreq).status_code == 401  # no token, no handle
     time.sleep(3.5)  # --lease-seconds 3
     after = httpx.get(f"{p.url}/admin/stats", headers=dep.admin_headers).json()
     assert after["kv_cache"]["used"] == 0 and after["leases_outstanding"] == 0
