@@ -41,6 +41,7 @@ from triptych.worker.stage_run import prepare, stream
 log = logging.getLogger("triptych.worker.server")
 
 # Failures a stage run may raise before its stream starts; each maps to a status in errors.py.
+_PARSE_INLINE_BYTES = 256 << 10  # stage requests below this parse in well under a millisecond
 _REFUSALS = (RequestValidationError, BadPayloadError, NotServingError, OverloadedError, MigrationError)
 
 
@@ -107,15 +108,16 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
 
     @app.post("/internal/run")
     async def run(http: HttpRequest) -> Response:
-        # Parsed on the decode pool: a body with several large images is tens of MB of JSON,
-        # which would stall the event loop (and /health) for as long as it takes to parse.
+        # A large body (several big images: tens of MB of JSON) is parsed off the event loop,
+        # which would otherwise stall (and /health with it) for as long as parsing takes.
         body = await http.body()
         try:
-            sreq = await inst.decode_pool.run(StageRequest.model_validate_json, body)
+            if len(body) < _PARSE_INLINE_BYTES:
+                sreq = StageRequest.model_validate_json(body)
+            else:
+                sreq = await asyncio.to_thread(StageRequest.model_validate_json, body)
         except ValidationError as exc:
             return _error(422, f"invalid stage request: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
-        except OverloadedError as exc:
-            return _error(http_status(exc), str(exc))
         try:
             req, reserved = await prepare(inst, sreq)
         except _REFUSALS as exc:

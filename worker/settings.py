@@ -25,7 +25,10 @@ class WorkerSettings(BaseModel):
     lease_margin_s: float = 1.0  # handles' expiry is this much before the source frees
     drain_timeout_s: float = 60.0
     decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
-    decode_queue: int = 16  # image jobs running or queued before stage runs get 503
+    # Image jobs (one or two per stage run with images) running or queued before stage runs
+    # get 503. Generous: the router takes a 503 as this instance failing (out of rotation
+    # until its next probe), so it must mean a real overload, not a burst.
+    decode_queue: int = 128
     max_model_len: int | None = None
     token_budget: int | None = None
     image_budget: int | None = None
