@@ -45,10 +45,10 @@ def _assert_no_leaks(stats: dict) -> None:
 def epd3(tmp_path_factory: pytest.TempPathFactory):
     model = tiny_dir("qwen2-vl")
     with servekit.start(model, "1E1P1D", tmp_path_factory.mktemp("epd3"),
-                        # Short enough for the unclaimed-hand-off test to wait out, long enough
-                        # that 64 concurrent hand-offs on a busy machine are pulled in time (a
-                        # pull that cannot finish before its lease ends is refused, never read).
-                        worker_args=["--lease-seconds", "8"]) as dep:
+                        # Long enough that 64 concurrent hand-offs on a busy machine are pulled
+                        # in time: a pull that cannot finish before its lease ends is refused
+                        # (never read), and hand-offs here can wait several seconds.
+                        worker_args=["--lease-seconds", "30"]) as dep:
         yield model, dep
 
 
@@ -102,7 +102,21 @@ def _expired_kv(metrics: str) -> float:
 def test_unclaimed_handoff_expires_and_frees(epd3) -> None:
     """A P instance hands off KV that no D ever pulls: its lease expires and frees the blocks."""
     model, dep = epd3
-    p = next(w for w in dep.workers if "-P-" in w.name)
+    args = dep.worker_args
+    dep.worker_args = ["--lease-seconds", "3"]  # its own P, with a lease short enough to wait out
+    try:
+        p = dep.start_worker("P", 9)
+    finally:
+        dep.worker_args = args
+    try:
+        dep._wait_ready([p])
+        _unclaimed_handoff(model, dep, p)
+    finally:
+        p.popen.kill()
+        p.popen.wait(timeout=10)
+
+
+def _unclaimed_handoff(model: Path, dep, p) -> None:
     from triptych.processor import MultimodalProcessor
 
     ids = MultimodalProcessor.from_pretrained(model).process(
@@ -122,7 +136,7 @@ def test_unclaimed_handoff_expires_and_frees(epd3) -> None:
         assert handle["agent_metadata"] not in text and handle["lease_secret"] not in text, path
         assert handle["lease_id"] not in text and dep.internal_token not in text, path
     assert httpx.post(f"{p.url}/internal/run", json=sreq).status_code == 401  # no token, no handle
-    time.sleep(8.5)  # --lease-seconds 8
+    time.sleep(3.5)  # --lease-seconds 3
     after = httpx.get(f"{p.url}/admin/stats", headers=dep.admin_headers).json()
     assert after["kv_cache"]["used"] == 0 and after["leases_outstanding"] == 0
     metrics = httpx.get(f"{p.url}/metrics").text
