@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 MiB = 1 << 20
 API_KEY_ENV = "TRIPTYCH_API_KEY"  # comma-separated keys, as an alternative to argv
 ADMIN_TOKEN_ENV = "TRIPTYCH_ADMIN_TOKEN"
+INTERNAL_TOKEN_ENV = "TRIPTYCH_INTERNAL_TOKEN"  # sent to workers on every /internal call
 
 
 class RouterConfig(BaseModel):
@@ -61,6 +62,9 @@ class RouterConfig(BaseModel):
     # Who sees every instance (URLs, ids) on /health: holders of the admin token.
     admin_token: str | None = None
     admin_token_file: Path | None = None
+    # What the workers' /internal/* endpoints take (worker/auth.py); never in argv.
+    internal_token: str | None = None
+    internal_token_file: Path | None = None
 
     # SLO (HydraInfer §2.3) for the attainment metrics.
     ttft_slo_s: float = Field(default=2.0, gt=0)
@@ -94,6 +98,9 @@ class RouterConfig(BaseModel):
     def load_admin_token(self) -> str | None:
         return read_secret(self.admin_token, self.admin_token_file, ADMIN_TOKEN_ENV)
 
+    def load_internal_token(self) -> str | None:
+        return read_secret(self.internal_token, self.internal_token_file, INTERNAL_TOKEN_ENV)
+
     @classmethod
     def from_cli(cls, args: argparse.Namespace, **overrides: Any) -> RouterConfig:
         """Build from `triptych router` arguments; attributes the namespace lacks keep defaults."""
@@ -106,6 +113,7 @@ class RouterConfig(BaseModel):
             "image_host_allowlist": list(getattr(args, "image_host_allowlist", None) or []),
             "allow_private_image_hosts": bool(getattr(args, "allow_private_image_hosts", False)),
             "admin_token_file": getattr(args, "admin_token_file", None),
+            "internal_token_file": getattr(args, "internal_token_file", None),
         }
         optional = {"max_images_per_request": "max_images_per_request", "ttft_slo_s": "ttft_slo",
                     "tbt_slo_s": "tbt_slo", "slo_attainment_target": "slo_attainment_target",

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Gauge
 
@@ -27,6 +26,7 @@ from triptych.router.metrics import PREFIX
 from triptych.router.orchestrator import Orchestrator, OrchestratorConfig
 from triptych.router.registry import Registry
 from triptych.router.routing import Chooser, Policy, parse_stage_policies
+from triptych.router.stage_client import worker_client
 
 log = logging.getLogger("triptych.router")
 
@@ -37,7 +37,7 @@ def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None 
     """The router app with its orchestrator; the registry is polled while the app runs.
     `discovery` (a KubernetesDiscovery) replaces the static URL list when given."""
     registry = Registry(worker_urls, poll_interval_s=poll_interval_s)
-    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+    client = worker_client(config.load_internal_token())
     metrics = CollectorRegistry()
     Gauge(f"{PREFIX}_slo_attainment_target", "The share of requests that should meet the SLO "
           "(compare triptych_frontend_slo_attainment)", ["model"],

@@ -36,6 +36,17 @@ from triptych.topology import Stage
 log = logging.getLogger("triptych.router.stage_client")
 
 
+def worker_client(internal_token: str | None) -> httpx.AsyncClient:
+    """The client for every call to workers: it sends the internal token (worker/auth.py)
+    on each one (stage runs, aborts; the /health probes too, which ignore it)."""
+    if internal_token is None:
+        log.warning("no internal token (TRIPTYCH_INTERNAL_TOKEN / --internal-token-file): workers "
+                    "started without --insecure-no-auth will refuse every stage call")
+    headers = {"authorization": f"Bearer {internal_token}"} if internal_token else {}
+    return httpx.AsyncClient(headers=headers,
+                             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+
+
 class StageFailure(Exception):
     """A hop failed on its instance; another instance may succeed if nothing reached the client yet."""
 
@@ -65,6 +76,9 @@ class StageClient:
                                           timeout=timeout) as resp:
                 if resp.status_code >= 400:
                     body = (await resp.aread()).decode(errors="replace")
+                    if resp.status_code in (401, 403):  # our token, not the client's request
+                        raise StageFailure(inst, f"{inst.url} refused the router's internal token "
+                                                 f"({resp.status_code})", status=502)
                     if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
                         raise BackendError(resp.status_code, _error_message(body))
                     raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {body[:200]}",

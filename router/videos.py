@@ -10,7 +10,6 @@ Every bad video or option is an `InvalidRequestError` (400).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -22,6 +21,7 @@ from pydantic import ValidationError
 from triptych.processor import PromptError
 from triptych.router.config import RouterConfig
 from triptych.router.errors import InvalidRequestError
+from triptych.stage_protocol import VideoOptions, video_content_key
 from triptych.video_processing import VideoProcessorConfig, VideoTokens
 from triptych.worker.video import (
     EmptyVideoError,
@@ -34,7 +34,6 @@ from triptych.worker.video import (
     index_video,
     sample_frame_indices,
     second_per_grid_t,
-    video_id,
 )
 
 SAMPLING_KEYS = ("fps", "num_frames", "min_frames", "max_frames")
@@ -118,10 +117,8 @@ def probe_video(data: bytes, param: str, model: VideoModel, cfg: VideoProcessorC
 
 
 def video_key(data: bytes, resolved: dict[str, Any]) -> str:
-    """The MM cache key of a video item: its bytes AND how it was sampled and sized (the
-    same clip at another fps or pixel bound is another embedding)."""
-    options = json.dumps(resolved, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(f"video:{video_id(data)}:{options}".encode()).hexdigest()
+    """The MM cache key of a video item (triptych.stage_protocol.video_content_key)."""
+    return video_content_key(data, VideoOptions.model_validate(resolved))
 
 
 def _code(exc: VideoError) -> str:

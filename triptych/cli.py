@@ -170,6 +170,12 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=os.environ.get("TRIPTYCH_CONFIG"),
                    help="serving config file (the operator's ConfigMap; default $TRIPTYCH_CONFIG); "
                         "flags win over it")
+    p.add_argument("--internal-token-file", default=None,
+                   help="file holding the internal token (else TRIPTYCH_INTERNAL_TOKEN): /internal/* needs it")
+    p.add_argument("--admin-token-file", default=None,
+                   help="file holding the admin token (else TRIPTYCH_ADMIN_TOKEN): /admin/* needs it")
+    p.add_argument("--insecure-no-auth", action="store_true",
+                   help="start without an internal token: /internal and /admin open to anyone (local tests only)")
     p.set_defaults(func=_lazy("triptych.worker.server:cli_main"))
 
 
@@ -188,6 +194,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admin-token-file", default=None,
                    help="file holding the admin token (else TRIPTYCH_ADMIN_TOKEN): its holder sees every "
                         "instance on /health")
+    p.add_argument("--internal-token-file", default=None,
+                   help="file holding the token the router sends to workers (else TRIPTYCH_INTERNAL_TOKEN)")
     p.add_argument("--allow-http-images", action="store_true")
     p.add_argument("--image-host-allowlist", nargs="*", default=[],
                    help="hosts images may be fetched from: example.com, example.com:8080, *.example.com")
@@ -239,6 +247,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autoscale-standby", type=int, default=0,
                    help="with --autoscale: extra unassigned instances encoder scaling can take")
     p.add_argument("--autoscale-args", default="", help="with --autoscale: more `triptych autoscale` flags")
+    p.add_argument("--admin-token-file", default=None,
+                   help="admin token for the children (else TRIPTYCH_ADMIN_TOKEN, else one is generated "
+                        "into ~/.cache/triptych/admin-token, mode 0600)")
     p.set_defaults(func=_lazy("triptych.local:cli_main"))
 
 

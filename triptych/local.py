@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -24,6 +25,26 @@ from triptych.cpu_quota import DeploymentGroups, QuotaUnavailable, threads_for
 from triptych.topology import InstanceType, parse_topology
 
 log = logging.getLogger("triptych.local")
+INTERNAL_TOKEN_ENV = "TRIPTYCH_INTERNAL_TOKEN"
+ADMIN_TOKEN_ENV = "TRIPTYCH_ADMIN_TOKEN"
+
+
+def admin_token_for_serve(path: str | None) -> tuple[str, Path | None]:
+    """`triptych serve`'s admin token: from `path`, else TRIPTYCH_ADMIN_TOKEN, else a fresh
+    one written (mode 0600) to ~/.cache/triptych/admin-token; returns it and where it
+    was written (None when the user gave it)."""
+    if path:
+        return Path(path).read_text().strip(), None
+    if os.environ.get(ADMIN_TOKEN_ENV, "").strip():
+        return os.environ[ADMIN_TOKEN_ENV].strip(), None
+    token = secrets.token_urlsafe(32)
+    out = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triptych" / "admin-token"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(out, 0o600)  # an existing file keeps its mode through O_CREAT
+    return token, out
 
 
 class StartupError(RuntimeError):
@@ -74,6 +95,19 @@ class LocalDeployment:
     processes: list[Process] = field(default_factory=list)
     quota: DeploymentGroups | None = None  # the instances' cgroups, while running with quotas
     quota_error: str | None = None  # why --instance-cpus runs without quotas
+    # Workers' /internal token (fresh per deployment, only the children get it) and the
+    # /admin token (TRIPTYCH_ADMIN_TOKEN if set); both reach the children by environment.
+    internal_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    admin_token: str = field(default_factory=lambda: os.environ.get(ADMIN_TOKEN_ENV, "").strip()
+                             or secrets.token_urlsafe(32), repr=False)
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.admin_token}"}
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.internal_token}"}
 
     @property
     def router_url(self) -> str:
@@ -137,6 +171,7 @@ class LocalDeployment:
         env = dict(os.environ)
         threads = str(self._threads_per_instance())
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TRIPTYCH_THREADS=threads)
+        env.update({INTERNAL_TOKEN_ENV: self.internal_token, ADMIN_TOKEN_ENV: self.admin_token})
         out = subprocess.DEVNULL
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -241,14 +276,13 @@ def _router_passthrough(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def _admin_token_file() -> Path:
-    """A fresh admin token shared by the router and the planner (`serve --autoscale`)."""
-    import secrets
+def _admin_token_file(token: str) -> Path:
+    """The deployment's admin token in a 0600 file, for the planner (`serve --autoscale`)."""
     import tempfile
 
     path = Path(tempfile.mkdtemp(prefix="triptych-admin-")) / "admin-token"
     path.touch(mode=0o600)
-    path.write_text(secrets.token_urlsafe(32))
+    path.write_text(token)
     return path
 
 
@@ -261,9 +295,13 @@ def start_planner(deployment: LocalDeployment, token_file: Path, port: int, extr
 
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    admin_token, written = admin_token_for_serve(getattr(args, "admin_token_file", None))
+    if written is not None:
+        print(f"admin token (for the workers' /admin/* and the router's full /health): {written}", flush=True)
     autoscale = getattr(args, "autoscale", False)
-    token_file = _admin_token_file() if autoscale else None
+    token_file = _admin_token_file(admin_token) if autoscale else None
     deployment = LocalDeployment(
+        admin_token=admin_token,
         model=resolve_model(args.model),
         topology=parse_topology(args.topology),
         host=args.host,

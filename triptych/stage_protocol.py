@@ -12,6 +12,8 @@ frees them. Handles are opaque to the router: it only carries them along.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
@@ -60,6 +62,14 @@ class MMItemSpec(BaseModel):
         return cls(kind=item.kind, offset=item.offset, length=item.length, content_hash=item.content_hash,
                    grid_thw=item.grid_thw, second_per_grid_t=getattr(item, "second_per_grid_t", None),
                    video=VideoOptions.model_validate(dict(video)) if video is not None else None)
+
+
+def video_content_key(data: bytes, options: VideoOptions) -> str:
+    """The MM cache key of a video item: its bytes AND how it was sampled and sized (the same
+    clip at another fps or pixel bound is another embedding). The router names the item by it;
+    the encode instance recomputes it from the bytes it is sent (a mismatch is refused)."""
+    opts = json.dumps(options.model_dump(), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(f"video:{hashlib.sha256(data).hexdigest()}:{opts}".encode()).hexdigest()
 
 
 class MMSource(BaseModel):

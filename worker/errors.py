@@ -9,7 +9,12 @@ its callers reads an error's message to choose a status.
 from __future__ import annotations
 
 from triptych.worker.engine.request import RequestOutput, RequestValidationError
-from triptych.worker.migration.errors import BadHandleError, NoFreeBlocksError, PullFailedError
+from triptych.worker.migration.errors import (
+    BadHandleError,
+    HandoffExpiredError,
+    NoFreeBlocksError,
+    PullFailedError,
+)
 
 
 class NotServingError(Exception):
@@ -18,7 +23,12 @@ class NotServingError(Exception):
 
 
 class BadPayloadError(ValueError):
-    """A field of the stage request cannot be decoded (e.g. an image that is not base64)."""
+    """A field of the stage request cannot be decoded (e.g. an image that is not base64),
+    or does not match what it claims (image bytes that do not hash to their content hash)."""
+
+
+class OverloadedError(Exception):
+    """This instance's bounded image-decode queue is full: retry elsewhere or later."""
 
 
 # First match wins: subclasses before their bases.
@@ -27,7 +37,9 @@ _STATUS: tuple[tuple[type[BaseException], int], ...] = (
     (BadPayloadError, 400),
     (BadHandleError, 400),
     (NoFreeBlocksError, 503),
+    (HandoffExpiredError, 503),
     (NotServingError, 503),
+    (OverloadedError, 503),
     (PullFailedError, 502),
     (TimeoutError, 504),
 )

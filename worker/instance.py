@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from triptych.topology import UNASSIGNED, InstanceType
+from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
 from triptych.worker.migration import MigrationService
 from triptych.worker.settings import WorkerSettings
@@ -33,6 +34,8 @@ class InstanceRuntime:
         self.inflight = 0
         self.transfer_bytes: dict[str, int] = {}  # transport -> bytes pulled, across roles
         self._switch_lock = asyncio.Lock()
+        # Image decode and preprocessing run here, never on the event loop (admission.py).
+        self.decode_pool = DecodePool(settings.decode_threads, settings.decode_queue)
 
     # -- role --------------------------------------------------------------------------
     def _build(self, role: InstanceType) -> tuple[Engine, TransferEngine, MigrationService]:
@@ -48,7 +51,8 @@ class InstanceRuntime:
         if engine.mm is not None:
             transfer.register("mm", engine.mm.tensor)
         migration = MigrationService(engine, transfer, lease_seconds=s.lease_seconds,
-                                     pull_timeout_s=s.pull_timeout_s, bytes_pulled=self.transfer_bytes)
+                                     pull_timeout_s=s.pull_timeout_s, bytes_pulled=self.transfer_bytes,
+                                     lease_margin_s=s.lease_margin_s)
         engine.start()
         return engine, transfer, migration
 

@@ -3,8 +3,9 @@ here: the instance's role lifecycle is instance.py, a stage run (and the migrati
 and offers around it) is stage_run.py, statuses come from errors.py.
 
 Endpoints: `POST /internal/run` runs a contiguous run of a request's stages and streams
-NDJSON events back to the router; `POST /internal/abort/{id}`; `/admin/role`,
-`/admin/stats`; `/health`, `/ready`, `/metrics`.
+NDJSON events back to the router; `POST /internal/abort/{id}` (both need the internal
+token); `/admin/role`, `/admin/stats` (the admin token; auth.py); `/health`, `/ready`,
+`/live`, `/metrics` (open, and free of secrets: no agent metadata, handles or leases).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -23,11 +25,13 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from pydantic import ValidationError
 
 from triptych.stage_protocol import RoleSwitch, StageRequest
 from triptych.topology import UNASSIGNED, InstanceType
+from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.engine.request import RequestValidationError
-from triptych.worker.errors import BadPayloadError, NotServingError, http_status
+from triptych.worker.errors import BadPayloadError, NotServingError, OverloadedError, http_status
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import InstanceCollector
 from triptych.worker.migration import MigrationError
@@ -37,14 +41,16 @@ from triptych.worker.stage_run import prepare, stream
 log = logging.getLogger("triptych.worker.server")
 
 # Failures a stage run may raise before its stream starts; each maps to a status in errors.py.
-_REFUSALS = (RequestValidationError, BadPayloadError, NotServingError, MigrationError)
+_PARSE_INLINE_BYTES = 256 << 10  # stage requests below this parse in well under a millisecond
+_REFUSALS = (RequestValidationError, BadPayloadError, NotServingError, OverloadedError, MigrationError)
 
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
-def create_app(settings: WorkerSettings) -> FastAPI:
+def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
+    """The worker app; `auth` guards /internal and /admin (WorkerAuth.open() for none)."""
     inst = InstanceRuntime(settings)
 
     @asynccontextmanager
@@ -55,10 +61,18 @@ def create_app(settings: WorkerSettings) -> FastAPI:
             await inst.switch(settings.role)
         yield
         inst.teardown()
+        inst.decode_pool.close()
         REGISTRY.unregister(collector)
 
     app = FastAPI(title="triptych worker", lifespan=lifespan)
     app.state.instance = inst
+    app.add_middleware(AuthMiddleware, auth=auth)
+
+    @app.get("/live")
+    async def live() -> dict[str, bool]:
+        # Liveness only: the process answers. 200 while loading, draining or switching
+        # roles too, so a slow switch never gets the container killed.
+        return {"live": True}
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -93,7 +107,17 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         return JSONResponse({"role": inst.role, "status": inst.status})
 
     @app.post("/internal/run")
-    async def run(sreq: StageRequest) -> Response:
+    async def run(http: HttpRequest) -> Response:
+        # A large body (several big images: tens of MB of JSON) is parsed off the event loop,
+        # which would otherwise stall (and /health with it) for as long as parsing takes.
+        body = await http.body()
+        try:
+            if len(body) < _PARSE_INLINE_BYTES:
+                sreq = StageRequest.model_validate_json(body)
+            else:
+                sreq = await asyncio.to_thread(StageRequest.model_validate_json, body)
+        except ValidationError as exc:
+            return _error(422, f"invalid stage request: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
         try:
             req, reserved = await prepare(inst, sreq)
         except _REFUSALS as exc:
@@ -139,6 +163,10 @@ class DrainingServer(uvicorn.Server):
 
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # The event loop shares the GIL with the decode pool and the engine thread; each time it
+    # wakes (a /health probe: accept, read, write) it may wait a full switch interval for
+    # a busy thread to let go. 1 ms instead of 5 keeps probes fast while images decode.
+    sys.setswitchinterval(0.001)
     threads = args.threads or int(os.environ.get("TRIPTYCH_THREADS", "0")) or None
     if threads:
         torch.set_num_threads(threads)
@@ -153,7 +181,13 @@ def cli_main(args: argparse.Namespace) -> int:
         "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66)})
-    app = create_app(settings)
+    try:
+        auth = WorkerAuth.load(args.internal_token_file, args.admin_token_file, args.insecure_no_auth)
+    except MissingTokenError as exc:
+        raise SystemExit(str(exc)) from exc
+    if auth.insecure:
+        log.warning("--insecure-no-auth: /internal and /admin are open to anyone who can connect")
+    app = create_app(settings, auth)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30)
     DrainingServer(config, app.state.instance).run()

@@ -22,7 +22,13 @@ class WorkerSettings(BaseModel):
     transfer_require: Literal["any", "nixl"] = "any"
     lease_seconds: float = 30.0
     pull_timeout_s: float = 20.0  # below lease_seconds: the source must not free mid-READ
+    lease_margin_s: float = 1.0  # handles' expiry is this much before the source frees
     drain_timeout_s: float = 60.0
+    decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
+    # Image jobs (one or two per stage run with images) running or queued before stage runs
+    # get 503. Generous: the router takes a 503 as this instance failing (out of rotation
+    # until its next probe), so it must mean a real overload, not a burst.
+    decode_queue: int = 128
     max_model_len: int | None = None
     token_budget: int | None = None
     image_budget: int | None = None

@@ -11,7 +11,6 @@ Failures are typed; `errors.http_status` decides their status.
 from __future__ import annotations
 
 import asyncio
-import base64
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,8 +25,9 @@ from triptych.stage_protocol import (
     TokensEvent,
 )
 from triptych.topology import Stage
+from triptych.worker.admission import decode_payload, vision_inputs
 from triptych.worker.engine.request import PrefilledKV, Request, RequestOutput, RequestValidationError
-from triptych.worker.errors import BadPayloadError, NotServingError, engine_failure_status, http_status
+from triptych.worker.errors import NotServingError, engine_failure_status, http_status
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import observe_stages
 from triptych.worker.migration import MigrationService
@@ -43,10 +43,12 @@ async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, l
     missing = [s.value for s in sreq.stages if not engine.role.runs(s)]
     if missing:
         raise NotServingError(f"instance role {engine.role.value} does not run stage(s) {', '.join(missing)}")
-    try:
-        images = {h: base64.b64decode(data, validate=True) for h, data in sreq.images.items()}
-    except ValueError as exc:
-        raise BadPayloadError(f"image payload is not base64: {exc}") from exc
+    # Image work first (nothing is reserved yet), on the decode pool: off the event loop.
+    images = await inst.decode_pool.run(decode_payload, sreq.images, sreq.mm_items) if sreq.images else {}
+    vins: dict[str, Any] = {}
+    if images and Stage.ENCODE in sreq.stages and engine.vision is not None:
+        vins = await inst.decode_pool.run(vision_inputs, engine.vision, engine.config.max_image_pixels,
+                                          sreq.mm_items, images)
     reserved = await migration.pull_embeddings(sreq.mm_sources) if sreq.mm_sources else []
     prefilled = None
     try:
@@ -56,6 +58,7 @@ async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, l
             prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token)
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
                       images=images, stages=frozenset(sreq.stages), prefilled=prefilled)
+        req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
         await _decode_videos(inst, sreq, req)
     except BaseException:
         migration.release_embeddings(reserved)

@@ -17,6 +17,10 @@ Its "model" answers `expected_tokens(prompt, max_tokens)`: a prefill samples the
 decode continues from the KV source's first token, so the tokens a client sees prove the
 handles were carried. Every run and every abort id is recorded; `script()` queues what
 the next runs do instead of answering normally (see the step helpers below).
+
+Like a worker, a fake refuses `/internal/*` without the cluster's internal token (the real
+worker/auth.py middleware), and the cluster's client is the router's `worker_client`, so
+a router call that drops the token fails the test.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -39,6 +42,7 @@ from triptych.router.backend import GenerationRequest, TokenEvent
 from triptych.router.orchestrator import Orchestrator, OrchestratorConfig
 from triptych.router.registry import Registry
 from triptych.router.routing import Chooser
+from triptych.router.stage_client import worker_client
 from triptych.sampling_params import SamplingParams
 from triptych.stage_protocol import (
     EncodedEvent,
@@ -52,11 +56,14 @@ from triptych.stage_protocol import (
     TokensEvent,
 )
 from triptych.topology import InstanceType, Stage, parse_topology
+from triptych.worker.auth import AuthMiddleware, WorkerAuth
 
 HANG = "hang"  # go silent, keeping the connection open (until the cluster closes, at most HANG_LIMIT_S)
 CRASH = "crash"  # drop the connection mid-stream, like a killed process
 HANG_LIMIT_S = 30.0  # a fake never hangs longer than this, whatever the test does
 IMAGE_TOKENS = 4  # placeholder tokens per image in `request()`
+INTERNAL_TOKEN = "fake-internal-token"
+ADMIN_TOKEN = "fake-admin-token"
 
 Step = StageEvent | str | asyncio.Event  # an event to send, HANG / CRASH, or a gate to wait for
 _EVENTS = (EncodedEvent, TokensEvent, PrefilledEvent, FinishedEvent)  # what a working run sends
@@ -220,6 +227,7 @@ class FakeWorker:
 
     def _build_app(self) -> FastAPI:
         app = FastAPI()
+        app.add_middleware(AuthMiddleware, auth=WorkerAuth(INTERNAL_TOKEN, ADMIN_TOKEN))
 
         @app.get("/health")
         async def health() -> dict:
@@ -290,7 +298,7 @@ class FakeCluster:
                 name = f"{kind.value.lower()}{i}"
                 self.workers[name] = FakeWorker(name, kind, self)
         self._servers: list[tuple[_Server, asyncio.Task]] = []
-        self.client = httpx.AsyncClient()
+        self.client = worker_client(INTERNAL_TOKEN)
         self.registry = Registry([])
         self.metrics = CollectorRegistry()
         self.closing = asyncio.Event()

@@ -120,7 +120,7 @@ async def run_all(url: str, bodies: list[dict[str, Any]], timeout_s: float = 180
 def stats(dep: LocalDeployment) -> dict[str, dict[str, Any]]:
     out = {}
     for w in dep.workers:
-        r = httpx.get(f"{w.url}/admin/stats", timeout=10)
+        r = httpx.get(f"{w.url}/admin/stats", headers=dep.admin_headers, timeout=10)
         assert r.status_code == 200, (w.name, r.status_code, r.text[:500])
         out[w.name] = r.json()
     return out
@@ -158,7 +158,7 @@ def stats_of(dep: LocalDeployment, skip: Collection[str] = ()) -> dict[str, dict
     for w in dep.workers:
         if w.name in skip:
             continue
-        r = httpx.get(f"{w.url}/admin/stats", timeout=10)
+        r = httpx.get(f"{w.url}/admin/stats", headers=dep.admin_headers, timeout=10)
         assert r.status_code == 200, (w.name, r.status_code, r.text[:500])
         out[w.name] = r.json()
     return out

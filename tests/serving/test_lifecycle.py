@@ -45,7 +45,10 @@ def _assert_no_leaks(stats: dict) -> None:
 def epd3(tmp_path_factory: pytest.TempPathFactory):
     model = tiny_dir("qwen2-vl")
     with servekit.start(model, "1E1P1D", tmp_path_factory.mktemp("epd3"),
-                        worker_args=["--lease-seconds", "3"]) as dep:
+                        # Long enough that 64 concurrent hand-offs on a busy machine are pulled
+                        # in time: a pull that cannot finish before its lease ends is refused
+                        # (never read), and hand-offs here can wait several seconds.
+                        worker_args=["--lease-seconds", "30"]) as dep:
         yield model, dep
 
 
@@ -90,27 +93,54 @@ def test_client_disconnect_mid_stream_frees_blocks(epd3) -> None:
     _assert_no_leaks(_wait_idle(dep))
 
 
+def _expired_kv(metrics: str) -> float:
+    line = next((x for x in metrics.splitlines() if x.startswith('triptych_worker_lease_expired_total{region="kv"}')),
+                None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def test_unclaimed_handoff_expires_and_frees(epd3) -> None:
     """A P instance hands off KV that no D ever pulls: its lease expires and frees the blocks."""
     model, dep = epd3
-    p = next(w for w in dep.workers if "-P-" in w.name)
+    args = dep.worker_args
+    dep.worker_args = ["--lease-seconds", "3"]  # its own P, with a lease short enough to wait out
+    try:
+        p = dep.start_worker("P", 9)
+    finally:
+        dep.worker_args = args
+    try:
+        dep._wait_ready([p])
+        _unclaimed_handoff(model, dep, p)
+    finally:
+        p.popen.kill()
+        p.popen.wait(timeout=10)
+
+
+def _unclaimed_handoff(model: Path, dep, p) -> None:
     from triptych.processor import MultimodalProcessor
 
     ids = MultimodalProcessor.from_pretrained(model).process(
         [{"role": "user", "content": "Hello there, this is a prompt."}], []).token_ids
     sreq = {"request_id": "orphan-1", "stages": ["prefill"], "prompt_token_ids": ids,
             "sampling": {"temperature": 0, "max_tokens": 50, "ignore_eos": True}}
-    with httpx.stream("POST", f"{p.url}/internal/run", json=sreq, timeout=30) as r:
+    expired_before = _expired_kv(httpx.get(f"{p.url}/metrics").text)
+    with httpx.stream("POST", f"{p.url}/internal/run", json=sreq, headers=dep.internal_headers, timeout=30) as r:
         events = [json.loads(line) for line in r.iter_lines() if line.strip()]
     assert [e["type"] for e in events] == ["prefilled"], events
-    held = httpx.get(f"{p.url}/admin/stats").json()
+    held = httpx.get(f"{p.url}/admin/stats", headers=dep.admin_headers).json()
     assert held["kv_cache"]["used"] == len(events[0]["kv"]["handle"]["block_ids"]) > 0
     assert held["leases_outstanding"] == 1
+    handle = events[0]["kv"]["handle"]
+    for path in ("/health", "/ready", "/live", "/metrics"):  # open endpoints hold no secret of the lease
+        text = httpx.get(f"{p.url}{path}").text
+        assert handle["agent_metadata"] not in text and handle["lease_secret"] not in text, path
+        assert handle["lease_id"] not in text and dep.internal_token not in text, path
+    assert httpx.post(f"{p.url}/internal/run", json=sreq).status_code == 401  # no token, no handle
     time.sleep(3.5)  # --lease-seconds 3
-    after = httpx.get(f"{p.url}/admin/stats").json()
+    after = httpx.get(f"{p.url}/admin/stats", headers=dep.admin_headers).json()
     assert after["kv_cache"]["used"] == 0 and after["leases_outstanding"] == 0
     metrics = httpx.get(f"{p.url}/metrics").text
-    assert 'triptych_worker_lease_expired_total{region="kv"} 1.0' in metrics
+    assert _expired_kv(metrics) == expired_before + 1
 
 
 def test_decode_killed_mid_stream_gives_error_event_then_recovers(epd3) -> None:
@@ -156,14 +186,15 @@ def test_role_switch_unassigned_to_p_then_d(tmp_path: Path) -> None:
         u = next(w for w in dep.workers if "unassigned" in w.name)
         assert httpx.get(f"{u.url}/health").json()["role"] == "unassigned"
         for role, counter in (("P", "prefill_tokens"), ("D", "decode_tokens")):
-            r = httpx.post(f"{u.url}/admin/role", json={"role": role}, timeout=120)
+            r = httpx.post(f"{u.url}/admin/role", json={"role": role}, headers=dep.admin_headers,
+                           timeout=120)
             assert r.status_code == 200 and r.json()["role"] == role
             time.sleep(1.5)  # the router sees the new role at its next health poll
             for _ in range(2):  # round-robin: every request pair touches the switched instance
                 results = asyncio.run(servekit.run_all(dep.router_url,
                                                        [c.openai_body(model.name) for c in cases]))
                 assert [r["token_ids"] for r in results] == expected
-            s = httpx.get(f"{u.url}/admin/stats").json()
+            s = httpx.get(f"{u.url}/admin/stats", headers=dep.admin_headers).json()
             assert s["role"] == role and s["counters"][counter] > 0
-        bad = httpx.post(f"{u.url}/admin/role", json={"role": "XYZ"})
+        bad = httpx.post(f"{u.url}/admin/role", json={"role": "XYZ"}, headers=dep.admin_headers)
         assert bad.status_code == 400

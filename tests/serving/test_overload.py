@@ -64,7 +64,7 @@ def test_sigterm_drains_inflight_work_then_exits(tmp_path: Path) -> None:
         busy = None
         while busy is None and time.monotonic() < deadline:
             for d in decoders:
-                if httpx.get(f"{d.url}/admin/stats").json()["inflight"]:
+                if httpx.get(f"{d.url}/admin/stats", headers=dep.admin_headers).json()["inflight"]:
                     busy = d
             time.sleep(0.05)
         assert busy is not None, "the stream never reached a decode instance"

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,11 +23,12 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-def test_serve_tiny_prints_url_serves_and_stops_cleanly() -> None:
+def test_serve_tiny_prints_url_serves_and_stops_cleanly(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "triptych.cli", "serve", "--model", "tiny", "--topology",
                              "1E1P1D", "--port", str(port), "--transfer-require", "nixl"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ))
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=dict(os.environ, XDG_CACHE_HOME=str(tmp_path)))
     try:
         deadline = time.monotonic() + 240
         line = ""

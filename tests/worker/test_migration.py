@@ -45,9 +45,9 @@ def test_confirm_releases_exactly_once() -> None:
     table, freed = LeaseTable(), []
     lease = table.offer("kv", [1, 2], lambda: freed.append("a"), ttl_s=10)
     assert table.outstanding() == 1
-    assert table.confirm(lease) is True
-    assert table.confirm(lease) is False
-    assert table.cancel(lease) is False
+    assert table.confirm(lease.lease_id, lease.secret) is True
+    assert table.confirm(lease.lease_id, lease.secret) is False
+    assert table.cancel(lease.lease_id) is False
     assert table.expire(now=float("inf")) == []
     assert freed == ["a"] and table.outstanding() == 0
 
@@ -55,8 +55,8 @@ def test_confirm_releases_exactly_once() -> None:
 def test_cancel_releases_and_later_confirmation_is_ignored() -> None:
     table, freed = LeaseTable(), []
     lease = table.offer("mm", [0], lambda: freed.append(1), ttl_s=10)
-    assert table.cancel(lease) is True
-    assert table.confirm(lease) is False
+    assert table.cancel(lease.lease_id) is True
+    assert table.confirm(lease.lease_id, lease.secret) is False
     assert freed == [1]
 
 
@@ -68,12 +68,12 @@ def test_expire_frees_only_overdue_leases_and_counts_them() -> None:
     before = expired_total("unit-expire")
     assert table.expire() == []
     clock.now += 1.0
-    assert table.expire() == [short]
+    assert table.expire() == [short.lease_id]
     assert freed == ["short"] and table.outstanding() == 1
     assert expired_total("unit-expire") == before + 1
-    assert table.expire(now=clock.now + 10) == [long]
+    assert table.expire(now=clock.now + 10) == [long.lease_id]
     assert expired_total("unit-expire") == before + 2
-    assert table.confirm(short) is False  # a late confirmation after expiry is a no-op
+    assert table.confirm(short.lease_id, short.secret) is False  # a late confirmation after expiry is a no-op
 
 
 def test_failing_on_release_is_logged_and_the_lease_is_gone(caplog: pytest.LogCaptureFixture) -> None:
@@ -84,7 +84,7 @@ def test_failing_on_release_is_logged_and_the_lease_is_gone(caplog: pytest.LogCa
 
     lease = table.offer("kv", [3], boom, ttl_s=10)
     with caplog.at_level(logging.ERROR):
-        assert table.confirm(lease) is True
+        assert table.confirm(lease.lease_id, lease.secret) is True
     assert "on_release failed" in caplog.text and table.outstanding() == 0
 
 
@@ -105,7 +105,9 @@ def test_racing_confirm_cancel_expire_free_each_lease_once() -> None:
                 counts[key] = counts.get(key, 0) + 1
         return free
 
-    ids = [table.offer("kv", [i], freer(str(i)), ttl_s=1) for i in range(300)]
+    leases = [table.offer("kv", [i], freer(str(i)), ttl_s=1) for i in range(300)]
+    ids = [lease.lease_id for lease in leases]
+    secrets = {lease.lease_id: lease.secret for lease in leases}
     clock.now += 2  # all overdue, so expire() races confirm/cancel on every lease
     start = threading.Barrier(4)
 
@@ -115,7 +117,8 @@ def test_racing_confirm_cancel_expire_free_each_lease_once() -> None:
             action(lid)
 
     threads = [threading.Thread(target=run, args=(a,)) for a in
-               (table.confirm, table.cancel, lambda _: table.expire(), table.confirm)]
+               (lambda lid: table.confirm(lid, secrets[lid]), table.cancel, lambda _: table.expire(),
+                lambda lid: table.confirm(lid, secrets[lid]))]
     for t in threads:
         t.start()
     for t in threads:

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import REGISTRY
 
 from triptych.stage_protocol import KVSource, MMSource
+from triptych.worker.auth import WorkerAuth
 from triptych.worker.engine.kv_cache import OutOfBlocksError
 from triptych.worker.engine.request import RequestOutput, RequestValidationError
 from triptych.worker.errors import (
@@ -311,7 +312,7 @@ def test_engine_failures_after_admission_are_5xx() -> None:
 
 
 def test_unassigned_worker_refuses_a_stage_run_with_503() -> None:
-    app = create_app(WorkerSettings(model="unused", instance_id="w-test"))
+    app = create_app(WorkerSettings(model="unused", instance_id="w-test"), WorkerAuth.open())
     with TestClient(app) as client:
         r = client.post("/internal/run", json={"request_id": "r1", "stages": ["prefill"], "prompt_token_ids": [1]})
     assert r.status_code == 503
@@ -324,9 +325,9 @@ def test_unassigned_worker_refuses_a_stage_run_with_503() -> None:
 class CountingNotifications:
     def __init__(self) -> None:
         self.polls = 0
-        self.pending: list[str] = []
+        self.pending: list[tuple[str, str]] = []
 
-    def poll_notifications(self) -> list[str]:
+    def poll_notifications(self) -> list[tuple[str, str]]:
         self.polls += 1
         out, self.pending = self.pending, []
         return out
@@ -343,7 +344,10 @@ async def test_lease_pump_sleeps_while_no_lease_is_outstanding() -> None:
         await asyncio.sleep(0.3)
         # Outstanding: polled, at most every 5 ms backing off to 20 ms (0.3 s -> ~20 polls).
         assert 1 <= notes.polls <= 0.3 / 0.005
-        notes.pending.append(lease)
+        notes.pending.append((lease.lease_id, "wrong secret"))
+        await asyncio.sleep(0.1)
+        assert freed == []  # a confirmation without the lease's secret frees nothing
+        notes.pending.append((lease.lease_id, lease.secret))
         assert await eventually(lambda: freed == [1], timeout_s=2)
 
         await asyncio.sleep(0.05)

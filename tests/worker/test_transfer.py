@@ -164,7 +164,7 @@ def test_segments_coalesce_adjacent_runs() -> None:
     local = Region.of("kv", torch.zeros(8, 4, dtype=torch.float32))  # 16 B blocks
     handle = BlockHandle(transport="t", agent_name="a", agent_metadata="", region="kv", mem_type="DRAM",
                          device_id=0, base_addr=1000, block_nbytes=16, num_blocks=8,
-                         block_ids=[0, 1, 2, 5, 6, 3], lease_id="l", dtype="float32", block_shape=[4])
+                         block_ids=[0, 1, 2, 5, 6, 3], lease_id="l", lease_secret="s", expires_at=0.0, dtype="float32", block_shape=[4])
     segs = segments(handle, local, [4, 5, 6, 0, 1, 7])
     base = local.base_addr
     assert [(s.remote_addr, s.local_addr, s.nbytes) for s in segs] == [
@@ -236,7 +236,6 @@ def test_require_any_falls_back_to_tcp_loudly(caplog: pytest.LogCaptureFixture) 
             check_pulled(target, "kv", KV, [7, 8, 1], [3, 4, 12])
             assert sample("triptych_worker_transfer_bytes_total", **labels) - before == moved
             assert wait_until(lambda: handle["lease_id"] in source.released())
-            # The source serves registered memory only.
-            forged = {**handle, "base_addr": handle["base_addr"] + 4096 * KV.shape[0]}
-            with pytest.raises(TransferError, match="outside registered memory"):
-                target.pull(forged, "kv", [3, 4, 12], timeout_s=5)
+            # The source serves live leases only (tests/worker/test_transfer_leases.py).
+            with pytest.raises(TransferError, match="no such lease"):
+                target.pull(handle, "kv", [3, 4, 12], timeout_s=5)

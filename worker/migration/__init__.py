@@ -3,6 +3,7 @@ pull -> confirm -> free of both hand-offs (E->P embeddings, P->D KV)."""
 
 from triptych.worker.migration.errors import (
     BadHandleError,
+    HandoffExpiredError,
     MigrationError,
     NoFreeBlocksError,
     PullFailedError,
@@ -11,6 +12,6 @@ from triptych.worker.migration.leases import LeaseTable, pump_once, run_lease_pu
 from triptych.worker.migration.service import BlockStore, BlockTransfer, MigrationService
 
 __all__ = [
-    "BadHandleError", "BlockStore", "BlockTransfer", "LeaseTable", "MigrationError", "MigrationService",
+    "BadHandleError", "BlockStore", "HandoffExpiredError", "BlockTransfer", "LeaseTable", "MigrationError", "MigrationService",
     "NoFreeBlocksError", "PullFailedError", "pump_once", "run_lease_pump",
 ]

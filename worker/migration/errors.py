@@ -17,6 +17,11 @@ class NoFreeBlocksError(MigrationError):
     """This instance has too few free blocks to receive the hand-off."""
 
 
+class HandoffExpiredError(MigrationError):
+    """The handle's lease ends before a pull could finish: nothing was read (the source
+    may already be reusing the blocks). Retriable: the request is run again upstream."""
+
+
 class PullFailedError(MigrationError):
     """The READ from the source failed (peer gone, timed out, transport error); the blocks
     reserved for it were freed."""

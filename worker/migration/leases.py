@@ -2,9 +2,11 @@
 releases them.
 
 The source keeps a request's blocks while a target pulls them: `offer` records a lease
-(region, block ids, how to free them, a TTL) and its id goes into the `BlockHandle`
-(step 1); the target READs (steps 2-3) and sends the lease id back as a notification
-(step 4); `confirm` then runs the lease's `on_release` (the source frees the blocks).
+(region, block ids, how to free them, a TTL, a random secret) and its id, secret and
+wall-clock expiry go into the `BlockHandle` (step 1); the target READs (steps 2-3) and
+sends the lease id and secret back as a notification (step 4); `confirm` then runs the
+lease's `on_release` (the source frees the blocks). A confirmation without the lease's
+secret releases nothing: only the peer the handle was given to can end a lease early.
 A lease nobody confirms (target died, request dropped) is freed by `expire` once its
 TTL passes, so blocks never leak; `cancel` frees at once (request aborted).
 
@@ -16,7 +18,9 @@ lock, on the calling thread (for `run_lease_pump`: the event loop's thread).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -44,34 +48,51 @@ class Lease:
     region: str
     block_ids: tuple[int, ...]
     on_release: Callable[[], None]
-    expires_at: float
+    expires_at: float  # on the table's clock (monotonic)
     owner: str = ""  # the request whose blocks these are (for cancel_owner)
+    secret: str = ""  # proves a confirmation (and a TCP read) comes from the handle's holder
+    ttl_s: float = 0.0
 
 
 class LeaseTable:
     """Thread-safe table of outstanding leases; `clock` is monotonic seconds."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 on_any_release: Callable[[Lease], None] | None = None) -> None:
+        # on_any_release runs first on every release (the transfer engine revokes the
+        # lease's read grant there), then the lease's own on_release.
         self._clock = clock
+        self._on_any_release = on_any_release
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._listeners: list[Callable[[], None]] = []
 
     def offer(self, region: str, block_ids: list[int], on_release: Callable[[], None], ttl_s: float,
-              owner: str = "") -> str:
-        """Hold `block_ids` of `region` for a target; returns the lease id for the handle."""
+              owner: str = "") -> Lease:
+        """Hold `block_ids` of `region` for a target; returns the lease (its id and secret
+        go into the handle)."""
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        lease = Lease(uuid.uuid4().hex, region, tuple(block_ids), on_release, self._clock() + ttl_s, owner)
+        lease = Lease(uuid.uuid4().hex, region, tuple(block_ids), on_release, self._clock() + ttl_s, owner,
+                      secrets.token_urlsafe(24), ttl_s)
         with self._lock:
             self._leases[lease.lease_id] = lease
             listeners = list(self._listeners)
         for wake in listeners:
             wake()
-        return lease.lease_id
+        return lease
 
-    def confirm(self, lease_id: str) -> bool:
-        """The target has the blocks: free them. False if the lease is already gone."""
+    def confirm(self, lease_id: str, secret: str) -> bool:
+        """The target has the blocks: free them. False if the lease is already gone, or
+        `secret` is not the lease's (then the lease stays until its holder or the TTL)."""
+        with self._lock:
+            lease = self._leases.get(lease_id)
+        if lease is None:
+            logger.debug("lease %s already released (confirmation ignored)", lease_id)
+            return False
+        if not hmac.compare_digest(secret.encode(), lease.secret.encode()):
+            logger.warning("lease %s: confirmation with a wrong secret ignored", lease_id)
+            return False
         return self._release(lease_id, "confirmed")
 
     def cancel(self, lease_id: str) -> bool:
@@ -117,6 +138,8 @@ class LeaseTable:
                            lease_id, lease.region, len(lease.block_ids))
         LEASE_RELEASED.labels(region=lease.region, how=how).inc()
         try:
+            if self._on_any_release is not None:
+                self._on_any_release(lease)
             lease.on_release()
         except Exception:
             # The lease is gone either way; a failing free must not stop the pump.
@@ -127,12 +150,12 @@ class LeaseTable:
 class Notifications(Protocol):
     """Where lease confirmations arrive (`TransferEngine` satisfies it)."""
 
-    def poll_notifications(self) -> list[str]: ...
+    def poll_notifications(self) -> list[tuple[str, str]]: ...
 
 
 def pump_once(transfer: Notifications, table: LeaseTable) -> int:
     """Confirm the leases targets reported, then expire overdue ones; returns releases."""
-    released = sum(table.confirm(lid) for lid in transfer.poll_notifications())
+    released = sum(table.confirm(lid, secret) for lid, secret in transfer.poll_notifications())
     return released + len(table.expire())
 
 

@@ -24,9 +24,20 @@ from pydantic import ValidationError
 
 from triptych.stage_protocol import EncodedItem, KVSource, MMSource
 from triptych.worker.engine.kv_cache import OutOfBlocksError
-from triptych.worker.migration.errors import BadHandleError, NoFreeBlocksError, PullFailedError
-from triptych.worker.migration.leases import LeaseTable, run_lease_pump
-from triptych.worker.transfer.base import BlockHandle, IncompatibleHandleError, TransferError, registry_metric
+from triptych.worker.migration.errors import (
+    BadHandleError,
+    HandoffExpiredError,
+    NoFreeBlocksError,
+    PullFailedError,
+)
+from triptych.worker.migration.leases import Lease, LeaseTable, run_lease_pump
+from triptych.worker.transfer.base import (
+    BlockHandle,
+    IncompatibleHandleError,
+    LeaseExpiredError,
+    TransferError,
+    registry_metric,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +71,12 @@ class BlockTransfer(Protocol):
 
     transport: str
 
-    def handle(self, region: str, block_ids: list[int], lease_id: str) -> BlockHandle: ...
+    def handle(self, region: str, block_ids: list[int], lease_id: str, *, secret: str, ttl_s: float,
+               margin_s: float = 0.0) -> BlockHandle: ...
+    def revoke(self, lease_id: str) -> None: ...
     def pull(self, handle: BlockHandle | dict[str, Any], local_region: str, local_block_ids: list[int], *,
              timeout_s: float, notify: bool = True) -> int: ...
-    def poll_notifications(self) -> list[str]: ...
+    def poll_notifications(self) -> list[tuple[str, str]]: ...
 
 
 class MigrationService:
@@ -71,14 +84,18 @@ class MigrationService:
 
     def __init__(self, store: BlockStore, transfer: BlockTransfer, *, lease_seconds: float,
                  pull_timeout_s: float, bytes_pulled: dict[str, int] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, lease_margin_s: float = 1.0) -> None:
         # Keep pull_timeout_s below the sources' lease TTL: a source must not free (and reuse)
         # blocks while a target is still reading them (the CLI derives one from the other).
         if pull_timeout_s <= 0 or lease_seconds <= 0:
             raise ValueError(f"need pull_timeout_s, lease_seconds > 0, got {pull_timeout_s}, {lease_seconds}")
         self.store, self.transfer = store, transfer
         self.lease_seconds, self.pull_timeout_s = lease_seconds, pull_timeout_s
-        self.leases = LeaseTable(clock)
+        # Handles tell targets to finish this long before the source frees (clock skew, the
+        # pump's release latency); at most a quarter of the lease.
+        self.lease_margin_s = min(lease_margin_s, lease_seconds / 4)
+        # Every release (confirm, expiry, cancel) also ends the lease's read grant.
+        self.leases = LeaseTable(clock, on_any_release=lambda lease: transfer.revoke(lease.lease_id))
         self.bytes_pulled = {} if bytes_pulled is None else bytes_pulled  # transport -> bytes
         self._pump: asyncio.Task[None] | None = None
 
@@ -105,21 +122,24 @@ class MigrationService:
     def offer_embeddings(self, request_id: str, mm: list[tuple[str, list[int], int]]) -> list[EncodedItem]:
         """Offer each (content_hash, block_ids, rows) of an encoded request; one lease each."""
         leases = self._offer(request_id, "mm", [ids for _, ids, _ in mm])
-        return [EncodedItem(content_hash=h, num_tokens=rows,
-                            handle=self.transfer.handle("mm", ids, lease).model_dump(mode="json"))
+        return [EncodedItem(content_hash=h, num_tokens=rows, handle=self._handle("mm", ids, lease))
                 for (h, ids, rows), lease in zip(mm, leases, strict=True)]
 
     def offer_kv(self, request_id: str, block_ids: list[int], num_tokens: int, first_token: int) -> KVSource:
         """Offer a prefilled request's KV blocks (and the token it sampled) under one lease."""
         (lease,) = self._offer(request_id, "kv", [block_ids])
-        handle = self.transfer.handle("kv", block_ids, lease).model_dump(mode="json")
+        handle = self._handle("kv", block_ids, lease)
         return KVSource(handle=handle, num_tokens=num_tokens, first_token=first_token)
 
     def cancel(self, request_id: str) -> int:
         """The request was aborted: release its leases now (late pulls find nothing held)."""
         return self.leases.cancel_owner(request_id)
 
-    def _offer(self, request_id: str, region: str, groups: list[list[int]]) -> list[str]:
+    def _handle(self, region: str, block_ids: list[int], lease: Lease) -> dict[str, Any]:
+        return self.transfer.handle(region, block_ids, lease.lease_id, secret=lease.secret, ttl_s=lease.ttl_s,
+                                    margin_s=self.lease_margin_s).model_dump(mode="json")
+
+    def _offer(self, request_id: str, region: str, groups: list[list[int]]) -> list[Lease]:
         """One lease per group; the store releases the request when all are done."""
         remaining, lock = [len(groups)], threading.Lock()
 
@@ -189,6 +209,8 @@ class MigrationService:
                                              timeout_s=self.pull_timeout_s)
         except IncompatibleHandleError as exc:
             raise BadHandleError(f"{kind} handle does not fit this instance: {exc}") from exc
+        except LeaseExpiredError as exc:
+            raise HandoffExpiredError(f"{kind} hand-off expired before it could be pulled: {exc}") from exc
         except TransferError as exc:
             raise PullFailedError(f"pulling {kind} blocks failed: {exc}") from exc
         MIGRATION_SECONDS.labels(kind=kind, transport=self.transport).observe(time.monotonic() - started)

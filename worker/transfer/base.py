@@ -39,6 +39,11 @@ class PeerUnreachableError(TransferError):
     """The peer's metadata is invalid or the peer cannot be connected to."""
 
 
+class LeaseExpiredError(TransferError):
+    """The handle's lease ends too soon for a READ to finish before it: the source may
+    free (and reuse) the blocks mid-read, so nothing is read."""
+
+
 class IncompatibleHandleError(TransferError, ValueError):
     """A handle does not fit the local region (transport, dtype, block shape, block count)."""
 
@@ -46,7 +51,11 @@ class IncompatibleHandleError(TransferError, ValueError):
 class BlockHandle(BaseModel):
     """What a source hands to a target so the target can pull blocks (HydraInfer §4.3,
     step 1): who holds them, where they are, and the lease to confirm when done.
-    JSON-serialisable (`model_dump(mode="json")`); opaque to the router."""
+    JSON-serialisable (`model_dump(mode="json")`); opaque to the router, and carried only
+    over the authenticated internal plane (it holds the agent metadata and the lease
+    secret). `block_ids` are the leased blocks only; `lease_secret` proves a TCP read
+    and the confirmation come from the holder; `expires_at` (unix seconds) is when the
+    lease ends minus a safety margin: a READ must be done by then."""
 
     transport: str
     agent_name: str
@@ -59,6 +68,8 @@ class BlockHandle(BaseModel):
     num_blocks: int = Field(gt=0)  # blocks in the source region (bounds check)
     block_ids: list[int]
     lease_id: str = Field(min_length=1)
+    lease_secret: str = Field(min_length=1)
+    expires_at: float
     dtype: str
     block_shape: list[int]
 
@@ -132,8 +143,13 @@ class Backend(Protocol):
 
     def register(self, region: Region) -> None: ...
     def metadata(self) -> bytes: ...
+    # Reads of (addr, nbytes) ranges under a lease, until `deadline` (monotonic) or revoke.
+    # A backend that cannot scope reads below a registered region (NIXL/UCX rkeys) ignores it.
+    def grant(self, lease_id: str, secret: str, ranges: list[tuple[int, int]], deadline: float) -> None: ...
+    def revoke(self, lease_id: str) -> None: ...
     def read(self, peer: str, peer_metadata: bytes, segments: list[Segment], remote_mem: MemType,
-             remote_device: int, local_mem: MemType, local_device: int, deadline: float) -> None: ...
+             remote_device: int, local_mem: MemType, local_device: int, deadline: float,
+             lease: tuple[str, str]) -> None: ...
     def notify(self, peer: str, peer_metadata: bytes, message: bytes) -> None: ...
     def notifications(self) -> list[bytes]: ...
     def close(self) -> None: ...

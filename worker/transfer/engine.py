@@ -29,6 +29,7 @@ from triptych.worker.transfer.base import (
     TRANSFER_SECONDS,
     BlockHandle,
     IncompatibleHandleError,
+    LeaseExpiredError,
     PeerUnreachableError,
     Region,
     TransferError,
@@ -39,6 +40,9 @@ from triptych.worker.transfer.base import (
 from triptych.worker.transfer.transport import Require, open_backend
 
 logger = logging.getLogger(__name__)
+
+# A READ needs at least this long before the lease's deadline, or it is not started.
+MIN_PULL_S = 0.05
 
 
 class TransferEngine:
@@ -70,27 +74,41 @@ class TransferEngine:
     def metadata(self) -> bytes:
         return self._backend.metadata()
 
-    def handle(self, region: str, block_ids: list[int], lease_id: str) -> BlockHandle:
-        """What the source hands to a target for `block_ids` of `region` under `lease_id`."""
+    def handle(self, region: str, block_ids: list[int], lease_id: str, *, secret: str, ttl_s: float,
+               margin_s: float = 0.0) -> BlockHandle:
+        """What the source hands to a target for `block_ids` of `region` under `lease_id`:
+        the backend serves reads of exactly those blocks, with `secret`, for `ttl_s`
+        (until `revoke`); the handle tells the target to be done `margin_s` before that
+        (clock skew between hosts, the source's release latency)."""
         reg = self._region(region)
         bad = [b for b in block_ids if not 0 <= b < reg.num_blocks]
         if bad:
             raise ValueError(f"region {region!r}: block ids out of range [0, {reg.num_blocks}): {bad}")
+        if not 0 <= margin_s < ttl_s:
+            raise ValueError(f"need 0 <= margin_s < ttl_s, got {margin_s}, {ttl_s}")
+        ranges = [(reg.addr(b), reg.block_nbytes) for b in block_ids]
+        self._backend.grant(lease_id, secret, ranges, time.monotonic() + ttl_s)
         if self._metadata_b64 is None:
             self._metadata_b64 = base64.b64encode(self.metadata()).decode()
         return BlockHandle(
             transport=self.transport, agent_name=self.agent_name, agent_metadata=self._metadata_b64,
             region=region, mem_type=reg.mem_type, device_id=reg.device_id, base_addr=reg.base_addr,
             block_nbytes=reg.block_nbytes, num_blocks=reg.num_blocks, block_ids=list(block_ids),
-            lease_id=lease_id, dtype=reg.dtype, block_shape=reg.block_shape,
+            lease_id=lease_id, lease_secret=secret, expires_at=time.time() + ttl_s - margin_s,
+            dtype=reg.dtype, block_shape=reg.block_shape,
         )
 
-    def poll_notifications(self) -> list[str]:
-        """Lease ids that targets confirmed since the last call (non-blocking)."""
+    def revoke(self, lease_id: str) -> None:
+        """The lease is over (confirmed, expired, cancelled): no more reads under it."""
+        self._backend.revoke(lease_id)
+
+    def poll_notifications(self) -> list[tuple[str, str]]:
+        """(lease id, secret) pairs that targets confirmed since the last call (non-blocking)."""
         leases = []
         for msg in self._backend.notifications():
             if msg.startswith(LEASE_NOTIF_PREFIX):
-                leases.append(msg[len(LEASE_NOTIF_PREFIX):].decode())
+                lease_id, _, secret = msg[len(LEASE_NOTIF_PREFIX):].decode(errors="replace").partition(":")
+                leases.append((lease_id, secret))
             else:
                 logger.debug("ignoring notification %r", msg[:64])
         return leases
@@ -105,8 +123,10 @@ class TransferEngine:
         Raises `IncompatibleHandleError` before moving anything if the layouts differ,
         `PeerUnreachableError` for bad metadata or a dead peer, `TransferTimeoutError`
         after `timeout_s` (the READ is cancelled), `TransferError` otherwise. Keep
-        `timeout_s` below the source's lease TTL, or the source may free (and reuse)
-        the blocks while they are being read."""
+        `timeout_s` below the source's lease TTL; the READ's deadline is also the handle's
+        `expires_at`, and a handle with less than MIN_PULL_S left is refused
+        (`LeaseExpiredError`) before anything is read: the source may free and reuse the
+        blocks after it."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         if isinstance(handle, dict):
@@ -119,10 +139,16 @@ class TransferEngine:
         labels = {"transport": self.transport, "direction": "pull", "region": local_region}
         if handle.block_ids:
             started = time.monotonic()
+            left = handle.expires_at - time.time()
+            if left < MIN_PULL_S:
+                TRANSFER_FAILURES.labels(**labels, reason="expired").inc()
+                raise LeaseExpiredError(f"lease {handle.lease_id!r} of {handle.agent_name!r} ends in {left:.3f}s; "
+                                        "too late to read its blocks")
             try:
                 self._backend.read(handle.agent_name, metadata, segments(handle, local, local_block_ids),
                                    handle.mem_type, handle.device_id, local.mem_type, local.device_id,
-                                   deadline=started + timeout_s)
+                                   deadline=started + min(timeout_s, left),
+                                   lease=(handle.lease_id, handle.lease_secret))
             except TransferError as e:
                 reason = "timeout" if isinstance(e, TransferTimeoutError) else "error"
                 TRANSFER_FAILURES.labels(**labels, reason=reason).inc()
@@ -135,7 +161,7 @@ class TransferEngine:
 
     def _confirm(self, handle: BlockHandle, metadata: bytes) -> None:
         try:
-            self._backend.notify(handle.agent_name, metadata, LEASE_NOTIF_PREFIX + handle.lease_id.encode())
+            self._backend.notify(handle.agent_name, metadata, LEASE_NOTIF_PREFIX + f"{handle.lease_id}:{handle.lease_secret}".encode())
         except TransferError as e:
             # The data is here; a source that cannot hear us frees on its lease TTL instead.
             logger.warning("lease %s: could not notify %s: %s", handle.lease_id, handle.agent_name, e)

@@ -73,9 +73,9 @@ class SourcePeer:
         self._conn.send((op, args))
         return self._recv(timeout_s)
 
-    def offer(self, region: str, block_ids: list[int], ttl_s: float) -> dict[str, Any]:
+    def offer(self, region: str, block_ids: list[int], ttl_s: float, margin_s: float = 0.0) -> dict[str, Any]:
         """A lease on the source plus the handle for it (JSON dict, as a router carries it)."""
-        return self.call("offer", region, block_ids, ttl_s)
+        return self.call("offer", region, block_ids, ttl_s, margin_s)
 
     def released(self) -> list[str]:
         """Lease ids whose on_release ran, in order (repeats would show a double free)."""
@@ -127,13 +127,15 @@ async def _serve(conn: Connection, regions: dict[str, RegionSpec], name: str, re
     except Exception as e:
         conn.send({"error": f"{type(e).__name__}: {e}"})
         return
-    table = LeaseTable()
+    table = LeaseTable(on_any_release=lambda lease: engine.revoke(lease.lease_id))
     released: list[str] = []
 
-    def offer(region: str, block_ids: list[int], ttl_s: float) -> dict[str, Any]:
-        lease: dict[str, str] = {}
-        lease["id"] = table.offer(region, block_ids, lambda: released.append(lease["id"]), ttl_s)
-        return engine.handle(region, block_ids, lease["id"]).model_dump(mode="json")
+    def offer(region: str, block_ids: list[int], ttl_s: float, margin_s: float = 0.0) -> dict[str, Any]:
+        ids: list[str] = []
+        lease = table.offer(region, block_ids, lambda: released.append(ids[0]), ttl_s)
+        ids.append(lease.lease_id)
+        return engine.handle(region, block_ids, lease.lease_id, secret=lease.secret, ttl_s=ttl_s,
+                             margin_s=margin_s).model_dump(mode="json")
 
     ops = {
         "offer": offer,

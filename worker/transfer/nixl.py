@@ -75,6 +75,15 @@ class NixlBackend:
         with self._lock:
             return self._agent.get_agent_metadata()
 
+    # NIXL (UCX rkeys) cannot scope a peer's READs below a registered region: whoever holds
+    # this agent's metadata can read the whole cache tensor. Leases are enforced by the
+    # protocol (secrets, expiry), not here; the metadata stays inside the deployment.
+    def grant(self, lease_id: str, secret: str, ranges: list[tuple[int, int]], deadline: float) -> None:
+        pass
+
+    def revoke(self, lease_id: str) -> None:
+        pass
+
     def _connect(self, peer: str, peer_metadata: bytes) -> None:
         """Load a peer's metadata once per agent name; reload when it changed (the peer
         registered more memory, or restarted under the same name)."""
@@ -108,7 +117,8 @@ class NixlBackend:
                 self._remove_quietly(peer)
 
     def read(self, peer: str, peer_metadata: bytes, segs: list[Segment], remote_mem: MemType,
-             remote_device: int, local_mem: MemType, local_device: int, deadline: float) -> None:
+             remote_device: int, local_mem: MemType, local_device: int, deadline: float,
+             lease: tuple[str, str] = ("", "")) -> None:
         self._connect(peer, peer_metadata)
         local = np.array([(s.local_addr, s.nbytes, local_device) for s in segs], dtype=np.uint64)
         remote = np.array([(s.remote_addr, s.nbytes, remote_device) for s in segs], dtype=np.uint64)

@@ -1,0 +1,110 @@
+"""An encode instance decodes images on its decode pool (worker/admission.py), not on its
+event loop: `/health` keeps answering fast while it decodes 8 large images. And the
+worker re-hashes image bytes: bytes sent under another image's hash are refused."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from triptych.local import LocalDeployment
+from triptych.processor import MultimodalProcessor
+from triptych.tiny_model import tiny_model_path
+from triptych.topology import InstanceType
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def big_png(seed: int, side: int = 4096) -> bytes:
+    """A side x side PNG of blocky noise: every pixel must be decoded and resized, but the
+    file stays ~1.5 MB (pure noise would make a 50 MB body that takes seconds to parse)."""
+    small = np.random.default_rng(seed).integers(0, 255, (512, 512, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(small).resize((side, side), Image.NEAREST).save(buf, "PNG", compress_level=1)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def encoder(tmp_path_factory: pytest.TempPathFactory):
+    model = tiny_model_path("qwen2-vl")
+    dep = LocalDeployment(model=model, topology={InstanceType.E: 1}, log_dir=tmp_path_factory.mktemp("logs"))
+    worker = dep.start_worker(InstanceType.E, 0)
+    dep.processes.append(worker)
+    try:
+        dep._wait_ready([worker])
+        yield model, dep, worker
+    finally:
+        dep.stop()
+
+
+def encode_request(model: Path, images: list[bytes], request_id: str) -> dict:
+    proc = MultimodalProcessor.from_pretrained(model)
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "describe"}]
+    prompt = proc.process([{"role": "user", "content": content}], images)
+    return {"request_id": request_id, "stages": ["encode"], "prompt_token_ids": prompt.token_ids,
+            "mm_items": [vars(it) for it in prompt.mm_items],
+            "images": {it.content_hash: base64.b64encode(img).decode() for it, img in zip(prompt.mm_items, images,
+                                                                                         strict=True)}}
+
+
+def test_health_stays_fast_while_decoding_8_large_images(encoder) -> None:
+    model, dep, worker = encoder
+    sreq = encode_request(model, [big_png(seed) for seed in range(8)], "big-8")
+    result: dict = {}
+
+    def run() -> None:
+        with httpx.stream("POST", f"{worker.url}/internal/run", json=sreq, headers=dep.internal_headers,
+                          timeout=300) as r:
+            result["status"] = r.status_code
+            result["lines"] = [line for line in r.iter_lines() if line.strip()]
+
+    latencies: list[float] = []
+    thread = threading.Thread(target=run)
+    with httpx.Client(timeout=10) as client:
+        idle = []
+        for _ in range(50):  # the same probe with nothing to decode, for the failure message
+            t0 = time.monotonic()
+            client.get(f"{worker.url}/health")
+            idle.append(time.monotonic() - t0)
+            time.sleep(0.02)
+        thread.start()
+        started = time.monotonic()
+        while thread.is_alive():
+            t0 = time.monotonic()
+            assert client.get(f"{worker.url}/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.02)
+    thread.join()
+    elapsed = time.monotonic() - started
+    assert result["status"] == 200 and '"encoded"' in result["lines"][-1], result
+    # 100 ms, plus the machine's own noise: the worst idle probe just before (a few ms on a
+    # quiet machine; on a shared, overloaded one an idle probe alone can take 200 ms).
+    # Decoding on the event loop stalls it for whole image decodes (~0.3 s each, 8 in a row).
+    budget = 0.1 + max(idle)
+    assert max(latencies) < budget, (f"max /health {max(latencies) * 1000:.0f} ms over {len(latencies)} probes "
+                                     f"in {elapsed:.1f}s; idle max {max(idle) * 1000:.0f} ms",
+                                     sorted(latencies)[-5:])
+    assert elapsed > 1.0 and len(latencies) >= 20, (elapsed, len(latencies))  # it did decode meanwhile
+
+
+def test_image_under_another_hash_is_refused(encoder) -> None:
+    model, dep, worker = encoder
+    real, other = big_png(1, 64), big_png(2, 64)
+    sreq = encode_request(model, [real], "poison")
+    (h,) = sreq["images"]
+    sreq["images"][h] = base64.b64encode(other).decode()  # other bytes under real's hash
+    assert hashlib.sha256(other).hexdigest() != h
+    r = httpx.post(f"{worker.url}/internal/run", json=sreq, headers=dep.internal_headers, timeout=60)
+    assert r.status_code == 400 and "hashes to" in r.json()["error"]["message"], r.text
+    sreq = encode_request(model, [real], "honest")  # the right bytes still encode
+    r = httpx.post(f"{worker.url}/internal/run", json=sreq, headers=dep.internal_headers, timeout=60)
+    assert r.status_code == 200 and '"encoded"' in r.text, r.text
