@@ -28,7 +28,6 @@ from triptych.operator.planner import k8s_daemon
 
 pytestmark = pytest.mark.timeout(120)
 PROMETHEUS = shutil.which("prometheus")
-TOKEN = "s3cret-admin-token"
 
 # A deep prefill queue, decode idle: 1E1P2D with 14 requests waiting at the one P.
 DEEP_PREFILL = """\
@@ -120,8 +119,8 @@ def prometheus(target: str, tmp: Path) -> Iterator[str]:
 def admin_headers(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
 
     """The Authorization header of every /admin/role call the stub workers receive; planner
-    settings with a stubbed token source (the admin Secret is another change's), a short
-    PromQL window and the operator's planner endpoint on a free port."""
+    settings with a short PromQL window and the operator's planner endpoint on a free port
+    (the admin token comes from the deployment's tokens Secret, as in a cluster)."""
     seen: list[str | None] = []
     original = kube_harness.FakeWorker._set_role
 
@@ -129,12 +128,9 @@ def admin_headers(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
         seen.append(request.headers.get("Authorization"))
         return await original(self, request)
 
-    async def token(kube: Any, namespace: str, name: str) -> str:
-        return TOKEN
-
     monkeypatch.setattr(kube_harness.FakeWorker, "_set_role", recording)
     monkeypatch.setattr(k8s_daemon, "SETTINGS", k8s_daemon.PlannerSettings(
-        promql_window="5s", token_source=token, endpoint=f"127.0.0.1:{_free_port()}"))
+        promql_window="5s", endpoint=f"127.0.0.1:{_free_port()}"))
     return seen
 
 
@@ -180,7 +176,7 @@ async def test_a_deep_prefill_queue_switches_one_decode_pod_to_prefill(env: Env,
     assert len(switched) == 1
     pod = switched[0]
     assert env.cluster.workers[pod].calls == ["D", "P"]  # assigned D by reconcile, then switched by the planner
-    assert admin_headers[-1] == f"Bearer {TOKEN}"
+    assert admin_headers[-1] == f"Bearer {env.cluster.admin_token('demo')}"
     assert roles(env)[pod] == "P"
     assert env.cluster.pods()[pod]["metadata"]["labels"][names.LABEL_LLMD_ROLE] == "prefill"
     mllm = env.cluster.mllm("demo")
