@@ -51,11 +51,13 @@ class BackendError(Exception):
     """A failure the client should see with this HTTP status (429/500/503/504...).
     `retry_after` (seconds) becomes a Retry-After header on 429/503."""
 
-    def __init__(self, status_code: int, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, status_code: int, message: str, retry_after: float | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.retry_after = retry_after
+        self.code = code  # OpenAI's error `code`, when the failure names one (e.g. invalid_image)
 
 
 @runtime_checkable

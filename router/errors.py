@@ -71,7 +71,7 @@ def error_type(status_code: int) -> str:
 
 def from_backend(exc: BackendError) -> OpenAIError:
     status = exc.status_code if 400 <= exc.status_code <= 599 else 500
-    code = {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}.get(status)
+    code = exc.code or {429: "rate_limit_exceeded", 503: "service_unavailable", 504: "timeout"}.get(status)
     return OpenAIError(status, exc.message, code=code, retry_after=exc.retry_after)
 
 

@@ -80,7 +80,7 @@ class StageClient:
                         raise StageFailure(inst, f"{inst.url} refused the router's internal token "
                                                  f"({resp.status_code})", status=502)
                     if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
-                        raise BackendError(resp.status_code, _error_message(body))
+                        raise BackendError(resp.status_code, _error_message(body), code=_error_code(body))
                     raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {body[:200]}",
                                        status=503 if resp.status_code in (429, 503) else 502)
                 async for line in resp.aiter_lines():
@@ -136,6 +136,16 @@ def _terminal(event: StageEvent) -> bool:
     if isinstance(event, FinishedEvent):
         return event.finish_reason != "abort"
     return isinstance(event, EncodedEvent | PrefilledEvent)
+
+
+def _error_code(body: str) -> str | None:
+    """A worker error body's string `code` (e.g. invalid_image), if it names one."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _error_message(body: str) -> str:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hf_reference import png_bytes
+from hf_reference import png_bytes as _encode_png
 from PIL import Image
 
 from triptych.processor import MultimodalProcessor
@@ -77,7 +77,7 @@ def reply_events(processor: MultimodalProcessor, text: str = REPLY, per_event: i
 
 def solid_png(width: int = 32, height: int = 24, color: tuple[int, int, int] = (200, 30, 30)) -> bytes:
     """PNG bytes of a one-colour image (hf_reference.png_bytes encodes any PIL image)."""
-    return png_bytes(Image.new("RGB", (width, height), color))
+    return _encode_png(Image.new("RGB", (width, height), color))
 
 
 def data_url(data: bytes, media_type: str = "image/png") -> str:

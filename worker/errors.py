@@ -8,7 +8,12 @@ its callers reads an error's message to choose a status.
 
 from __future__ import annotations
 
-from triptych.worker.engine.request import RequestOutput, RequestValidationError
+from triptych.worker.engine.request import (
+    ImageTooLargeError,
+    InvalidImageError,
+    RequestOutput,
+    RequestValidationError,
+)
 from triptych.worker.migration.errors import (
     BadHandleError,
     HandoffExpiredError,
@@ -51,6 +56,18 @@ def http_status(exc: BaseException) -> int:
         if isinstance(exc, cls):
             return status
     return 500
+
+
+# Client-facing error codes (OpenAI's `code`) for the input failures only the instance that
+# decodes can find (the router reads image headers only): passed through to the client.
+_CODE: tuple[tuple[type[BaseException], str], ...] = (
+    (ImageTooLargeError, "image_too_large"),
+    (InvalidImageError, "invalid_image"),
+)
+
+
+def error_code(exc: BaseException) -> str | None:
+    return next((code for cls, code in _CODE if isinstance(exc, cls)), None)
 
 
 # The engine's message for the request it fails to break a KV-cache deadlock

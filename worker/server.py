@@ -31,7 +31,7 @@ from triptych.stage_protocol import RoleSwitch, StageRequest
 from triptych.topology import UNASSIGNED, InstanceType
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.engine.request import RequestValidationError
-from triptych.worker.errors import BadPayloadError, NotServingError, OverloadedError, http_status
+from triptych.worker.errors import BadPayloadError, NotServingError, OverloadedError, error_code, http_status
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import InstanceCollector
 from triptych.worker.migration import MigrationError
@@ -45,8 +45,8 @@ _PARSE_INLINE_BYTES = 256 << 10  # stage requests below this parse in well under
 _REFUSALS = (RequestValidationError, BadPayloadError, NotServingError, OverloadedError, MigrationError)
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": code or status}}, status_code=status)
 
 
 def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
@@ -121,7 +121,7 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         try:
             req, reserved = await prepare(inst, sreq)
         except _REFUSALS as exc:
-            return _error(http_status(exc), str(exc))
+            return _error(http_status(exc), str(exc), error_code(exc))
         return StreamingResponse(stream(inst, sreq, req, reserved), media_type="application/x-ndjson")
 
     @app.post("/internal/abort/{request_id}")

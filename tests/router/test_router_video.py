@@ -10,7 +10,7 @@ from functools import cache
 
 import httpx
 import pytest
-from routerkit import ScriptedBackend, chat_body, image_part, png_bytes
+from routerkit import ScriptedBackend, chat_body, image_part, solid_png
 
 from triptych.processor import MultimodalProcessor
 from triptych.router.api import create_app
@@ -31,7 +31,7 @@ def video_part(data: bytes, media: str = "video/mp4") -> dict:
 
 async def test_video_is_counted_and_expanded(client: httpx.AsyncClient, backend: ScriptedBackend,
                                              qwen2_vl_dir) -> None:
-    png = png_bytes(56, 56)
+    png = solid_png(56, 56)
     body = chat_body([image_part(png), video_part(clip()), {"type": "text", "text": "what happens?"}],
                      mm_processor_kwargs={"fps": 7})
     resp = await client.post("/v1/chat/completions", json=body)
@@ -103,7 +103,7 @@ async def test_bad_videos_are_400(case: str, code: str, config: RouterConfig, ba
     data, limits, media = {
         "truncated": (good[: len(good) // 2], {}, "video/mp4"),
         "not-a-video": (b"this is not a video " * 50, {}, "video/mp4"),
-        "unsupported-codec": (png_bytes(32, 32), {}, "video/mp4"),
+        "unsupported-codec": (solid_png(32, 32), {}, "video/mp4"),
         "too-long": (good, {"max_video_duration_s": 1.0}, "video/mp4"),
         "too-large-pixels": (good, {"max_video_frame_pixels": 64 * 32}, "video/mp4"),
         "too-large-bytes": (good, {"max_video_bytes": len(good) - 10}, "video/mp4"),

@@ -193,7 +193,9 @@ def _bad_cases(model: str) -> dict[str, tuple[dict[str, Any] | bytes, str | None
         "bad base64": (_image_body(model, "data:image/png;base64,!!!not*base64@@"), img, "invalid_base64"),
         "bytes that are not an image": (
             _image_body(model, _data_url(b"hello, I am plain text" * 4)), img, "invalid_image"),
-        "truncated png": (_image_body(model, _data_url(good_png[: len(good_png) // 2])), img, "invalid_image"),
+        # The router reads headers only: the encode instance finds the missing pixels, after the
+        # router has let go of where the part sat in the request (no param, the code passes through).
+        "truncated png": (_image_body(model, _data_url(good_png[: len(good_png) // 2])), None, "invalid_image"),
         # Past PIL's own bomb guard (2x its 89M-pixel warning) ...
         "decompression bomb 50000x50000": (_image_body(model, _data_url(bomb_png())), img, "image_too_large"),
         # ... and under it, but over the router's 4096x4096 limit (checked before decoding).
