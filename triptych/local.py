@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from triptych.cpu_quota import DeploymentGroups, QuotaUnavailable, threads_for
-from triptych.topology import InstanceType, parse_topology
+from triptych.topology import UNASSIGNED, InstanceType, parse_topology
 
 log = logging.getLogger("triptych.local")
 INTERNAL_TOKEN_ENV = "TRIPTYCH_INTERNAL_TOKEN"
@@ -74,6 +74,7 @@ class Process:
     name: str
     url: str
     popen: subprocess.Popen[bytes]
+    ready_path: str = "/ready"  # an unassigned worker is never ready: its start waits on /live
 
 
 @dataclass
@@ -187,7 +188,10 @@ class LocalDeployment:
         args = ["worker", "--model", str(self.model), "--role", str(kind), "--host", self.host,
                 "--port", str(port), "--instance-id", f"{kind}-{index}",
                 "--transfer-require", self.transfer_require, *self.worker_args]
-        return self._spawn(f"worker-{kind}-{index}", args, port, capped=True)
+        proc = self._spawn(f"worker-{kind}-{index}", args, port, capped=True)
+        if str(kind) == UNASSIGNED:
+            proc.ready_path = "/live"
+        return proc
 
     def start(self) -> LocalDeployment:
         if self.processes:  # already running (e.g. started, then used as a context manager)
@@ -230,7 +234,7 @@ class LocalDeployment:
                     if proc.popen.poll() is not None:
                         raise StartupError(f"{proc.name} exited with code {proc.popen.returncode}")
                     try:
-                        if client.get(f"{proc.url}/ready").status_code == 200:
+                        if client.get(f"{proc.url}{proc.ready_path}").status_code == 200:
                             pending.remove(proc)
                     except httpx.HTTPError:
                         pass

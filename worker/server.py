@@ -82,7 +82,9 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        ok = inst.status in ("ok", "unassigned")
+        # Ready = serving a role. An unassigned worker is alive (/live) but holds no capacity,
+        # so Kubernetes keeps it out of endpoints until the operator gives it a role.
+        ok = inst.status == "ok"
         return JSONResponse({"ready": ok, "role": inst.role}, status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -185,6 +185,9 @@ def test_role_switch_unassigned_to_p_then_d(tmp_path: Path) -> None:
     with servekit.start(model, "1E1P1D", tmp_path, extra_roles=["unassigned"]) as dep:
         u = next(w for w in dep.workers if "unassigned" in w.name)
         assert httpx.get(f"{u.url}/health").json()["role"] == "unassigned"
+        # Alive but holding no capacity: not ready until it serves a role (Kubernetes keeps it
+        # out of the endpoints; the operator assigns it a role).
+        assert httpx.get(f"{u.url}/ready").status_code == 503 and httpx.get(f"{u.url}/live").status_code == 200
         for role, counter in (("P", "prefill_tokens"), ("D", "decode_tokens")):
             r = httpx.post(f"{u.url}/admin/role", json={"role": role}, headers=dep.admin_headers,
                            timeout=120)

@@ -59,7 +59,7 @@ def test_right_scope_gets_through(client: TestClient) -> None:
 def test_open_endpoints_need_no_token_and_leak_no_secret(client: TestClient) -> None:
     for path in ("/health", "/ready", "/live", "/metrics"):
         r = client.get(path)
-        assert r.status_code == 200, path
+        assert r.status_code == (503 if path == "/ready" else 200), path  # unassigned: alive, not ready
         for secret in (INTERNAL, ADMIN, "agent_metadata", "lease_id", "lease_secret"):
             assert secret not in r.text, (path, secret)
 
@@ -104,3 +104,30 @@ def test_worker_cli_exits_without_token(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv("TRIPTYCH_INTERNAL_TOKEN", raising=False)
     with pytest.raises(SystemExit, match="no internal token"):
         main(["worker", "--model", "unused", "--port", "1"])
+
+
+def test_live_stays_200_through_a_slow_role_switch(client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A switch that takes long (loading a big checkpoint: 90 s is not unusual) must not get
+    the container killed: liveness answers 200 throughout while health/ready say not now."""
+    import threading
+    import time
+
+    from triptych.worker.instance import InstanceRuntime
+
+    def slow_build(self: InstanceRuntime, role: object) -> None:
+        time.sleep(3.0)
+        raise RuntimeError("no model here")  # the switch fails after its long load
+
+    monkeypatch.setattr(InstanceRuntime, "_build", slow_build)
+    done: list[int] = []
+    switch = threading.Thread(target=lambda: done.append(
+        client.post("/admin/role", json={"role": "P"}, headers=bearer(ADMIN)).status_code))
+    switch.start()
+    seen = []
+    while switch.is_alive():
+        seen.append((client.get("/live").status_code, client.get("/ready").status_code))
+        time.sleep(0.2)
+    switch.join()
+    assert len(seen) >= 5 and all(live == 200 and ready == 503 for live, ready in seen), seen
+    assert done and done[0] >= 500  # the failed load is reported, and the worker stays up
+    assert client.get("/live").status_code == 200
