@@ -1,0 +1,115 @@
+"""Zero-loss role switching through real processes (EPDServe §3.2.4): a decode instance
+switched to P (through the router's admin API) or SIGTERM'd mid-stream hands its running
+decodes to the other decode instance, and every stream still gives exactly the tokens of
+transformers; nothing fails, and afterwards no instance holds a block or a lease."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import servekit
+from servekit import tiny_dir
+from test_lifecycle import _assert_no_leaks, _wait_idle
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "switch-admin-token"
+
+
+@pytest.fixture(scope="module")
+def epd4(tmp_path_factory: pytest.TempPathFactory):
+    model = tiny_dir("qwen2-vl")
+    tmp = tmp_path_factory.mktemp("switch")
+    (tmp / "admin").write_text(TOKEN)
+    with servekit.start(model, "1E1P2D", tmp, router_args=["--admin-token-file", str(tmp / "admin")]) as dep:
+        yield model, dep
+
+
+def _instances(dep) -> list[dict]:
+    r = httpx.get(f"{dep.router_url}/health", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10)
+    return r.json()["instances"]
+
+
+def _cases(n: int, seed_base: int) -> list[servekit.Case]:
+    cases = servekit.make_cases(n, max_tokens=120, seed_base=seed_base)
+    for c in cases:
+        c.stream = True
+    return cases
+
+
+async def _run_while(model: Path, dep, cases: list[servekit.Case], during) -> tuple[list[dict], object]:
+    """Stream `cases` through the router; once tokens flow, run `during()` (in a thread)."""
+    async with httpx.AsyncClient(timeout=180) as client:
+        tasks = [asyncio.create_task(servekit.chat(client, dep.router_url, c.openai_body(model.name)))
+                 for c in cases]
+        await asyncio.sleep(1.0)  # prompts prefilled, decodes under way
+        result = await asyncio.to_thread(during)
+        return await asyncio.gather(*tasks), result
+
+
+def _assert_exact(model: Path, cases: list[servekit.Case], results: list[dict]) -> None:
+    for case, res in zip(cases, results, strict=True):
+        assert res["status"] == 200 and res["error"] is None, (case.index, res)
+        assert res["token_ids"] == servekit.expected_ids(model, case), case.index
+
+
+def _switch(dep, instance_id: str, role: str) -> dict:
+    r = httpx.post(f"{dep.router_url}/admin/role", json={"instance": instance_id, "role": role},
+                   headers={"authorization": f"Bearer {TOKEN}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_router_admin_api_refuses_bad_calls(epd4) -> None:
+    _, dep = epd4
+    url = f"{dep.router_url}/admin/role"
+    d = next(i for i in _instances(dep) if i["role"] == "D")
+    assert httpx.post(url, json={"instance": d["instance_id"], "role": "P"}).status_code == 401
+    wrong = {"authorization": "Bearer nope"}
+    assert httpx.post(url, json={"instance": d["instance_id"], "role": "P"}, headers=wrong).status_code == 403
+    ok = {"authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(url, json={"instance": "no-such", "role": "P"}, headers=ok)
+    assert r.status_code == 404 and "no-such" in r.json()["error"]["message"]
+    assert httpx.post(url, json={"instance": d["instance_id"], "role": "XYZ"}, headers=ok).status_code == 400
+
+
+def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
+    model, dep = epd4
+    d = next(i for i in _instances(dep) if i["role"] == "D")
+    cases = _cases(8, seed_base=3100)
+    results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch(dep, d["instance_id"], "P")))
+    print("D->P report:", report)
+    assert report["role"] == "P" and report["migrated"] >= 1
+    assert set(report) >= {"offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back"}
+    _assert_exact(model, cases, results)
+    time.sleep(1.5)  # the router sees the new role at its next poll
+    cases = _cases(8, seed_base=3200)
+    results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch(dep, d["instance_id"], "D")))
+    print("P->D report:", report)
+    assert report["role"] == "D"
+    _assert_exact(model, cases, results)
+    _assert_no_leaks(_wait_idle(dep))
+
+
+def test_sigterm_hands_long_decodes_to_the_other_decode_instance(epd4) -> None:
+    model, dep = epd4
+    time.sleep(1.5)
+    d_ids = {i["instance_id"] for i in _instances(dep) if i["role"] == "D"}
+    assert len(d_ids) == 2
+    victim = next(w for w in dep.workers if "-D-" in w.name)
+    cases = _cases(6, seed_base=3300)
+
+    def terminate() -> None:
+        os.killpg(victim.popen.pid, signal.SIGTERM)
+        victim.popen.wait(60)
+
+    results, _ = asyncio.run(_run_while(model, dep, cases, terminate))
+    _assert_exact(model, cases, results)
+    assert victim.popen.returncode is not None
+    dep.restart_worker(victim)
