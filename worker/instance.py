@@ -43,7 +43,7 @@ class InstanceRuntime:
                                      block_size=s.block_size, num_kv_blocks=s.num_kv_blocks,
                                      num_mm_blocks=s.num_mm_blocks, max_model_len=s.max_model_len,
                                      token_budget=s.token_budget, image_budget=s.image_budget,
-                                     ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s))
+                                     ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s, keep_mm_cache=True))
         transfer, migration = self._wire_transfer(engine, role)
         engine.start()
         return engine, transfer, migration

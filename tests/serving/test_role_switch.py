@@ -59,6 +59,10 @@ def _assert_exact(model: Path, cases: list[servekit.Case], results: list[dict]) 
         assert res["token_ids"] == servekit.expected_ids(model, case), case.index
 
 
+def _migrated_in(dep) -> int:
+    return sum(s["counters"].get("migrated_in", 0) for s in servekit.stats(dep).values() if "counters" in s)
+
+
 def _switch(dep, instance_id: str, role: str) -> dict:
     r = httpx.post(f"{dep.router_url}/admin/role", json={"instance": instance_id, "role": role},
                    headers={"authorization": f"Bearer {TOKEN}"}, timeout=120)
@@ -83,11 +87,13 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     model, dep = epd4
     d = next(i for i in _instances(dep) if i["role"] == "D")
     cases = _cases(8, seed_base=3100)
+    taken_over = _migrated_in(dep)
     results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch(dep, d["instance_id"], "P")))
     print("D->P report:", report)
     assert report["role"] == "P" and report["migrated"] >= 1
     assert set(report) >= {"offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back"}
     _assert_exact(model, cases, results)
+    assert _migrated_in(dep) - taken_over == report["migrated"]  # the other D went on with each
     time.sleep(1.5)  # the router sees the new role at its next poll
     cases = _cases(8, seed_base=3200)
     results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch(dep, d["instance_id"], "D")))
@@ -103,7 +109,13 @@ def test_sigterm_hands_long_decodes_to_the_other_decode_instance(epd4) -> None:
     d_ids = {i["instance_id"] for i in _instances(dep) if i["role"] == "D"}
     assert len(d_ids) == 2
     victim = next(w for w in dep.workers if "-D-" in w.name)
+    survivor = next(w for w in dep.workers if "-D-" in w.name and w is not victim)
     cases = _cases(6, seed_base=3300)
+
+    def taken_over() -> int:
+        return httpx.get(f"{survivor.url}/admin/stats", timeout=10).json()["counters"]["migrated_in"]
+
+    before = taken_over()
 
     def terminate() -> None:
         os.killpg(victim.popen.pid, signal.SIGTERM)
@@ -112,4 +124,28 @@ def test_sigterm_hands_long_decodes_to_the_other_decode_instance(epd4) -> None:
     results, _ = asyncio.run(_run_while(model, dep, cases, terminate))
     _assert_exact(model, cases, results)
     assert victim.popen.returncode is not None
+    assert taken_over() > before  # the victim's running decodes went on there, not waited for
     dep.restart_worker(victim)
+
+
+def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
+    """Issue 9's must-show: 2E2P2D, 64 concurrent streams during each of D->P, P->D, E->D
+    and D->E in a row; every stream exact, none failed, nothing leaked."""
+    model = tiny_dir("qwen2-vl")
+    (tmp_path / "admin").write_text(TOKEN)
+    with servekit.start(model, "2E2P2D", tmp_path, router_args=["--admin-token-file", str(tmp_path / "admin")]) as dep:
+        by_role: dict[str, list[str]] = {}
+        for inst in _instances(dep):
+            by_role.setdefault(inst["role"], []).append(inst["instance_id"])
+        d0, p0, e0 = by_role["D"][0], by_role["P"][0], by_role["E"][0]
+        reports = {}
+        for n, (instance_id, role) in enumerate([(d0, "P"), (p0, "D"), (e0, "D"), (e0, "E")]):
+            cases = servekit.make_cases(64, max_tokens=40, seed_base=5000 + 100 * n)
+            results, report = asyncio.run(_run_while(model, dep, cases,
+                                                     lambda i=instance_id, r=role: _switch(dep, i, r)))
+            assert report["role"] == role
+            reports[f"{instance_id}->{role}"] = report
+            _assert_exact(model, cases, results)
+            time.sleep(1.5)
+        print("switch reports:", reports)
+        _assert_no_leaks(_wait_idle(dep))

@@ -141,3 +141,12 @@ def test_set_role_refuses_an_engine_with_requests(qwen2_vl_dir: Path) -> None:
     )
     with pytest.raises(RuntimeError, match="idle engine"):
         e.set_role(InstanceType.P)
+
+
+def test_a_switchable_d_to_p_allocates_nothing(qwen2_vl_dir: Path) -> None:
+    e = Engine(EngineConfig(model=str(qwen2_vl_dir), role=InstanceType.D, num_kv_blocks=32, num_mm_blocks=16,
+                            mm_block_rows=8, keep_mm_cache=True))
+    kv, mm = e.kv, e.mm
+    assert mm is not None
+    changed = e.set_role(InstanceType.P)
+    assert changed.loaded == [] and changed.freed == [] and e.kv is kv and e.mm is mm

@@ -75,7 +75,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.spec.max_model_len, self.spec.max_model_len)
         self.tokenizer = _load_tokenizer(Path(config.model))
         self.kv = make_kv_cache(config, self.spec, self.max_model_len) if self.language is not None else None
-        self.mm = make_mm_cache(config, self.spec, self.max_model_len) if needs_mm(self.role) else None
+        holds_mm = needs_mm(self.role, config.keep_mm_cache)
+        self.mm = make_mm_cache(config, self.spec, self.max_model_len) if holds_mm else None
         self._requests: dict[str, Request] = {}  # in the loop, by id
         self._known_ids: set[str] = set()  # added and not finished (inbox included)
         self._inbox: deque[tuple[str, Any]] = deque()

@@ -106,6 +106,7 @@ class OutputProcessor:
         # A migrated decode goes on at output index len(generated) + 1: seeds, max_tokens
         # and stop handling count from there.
         req.output_token_ids = [*pre.generated, pre.first_token]
+        self.scheduler.counters.migrated_in += bool(pre.generated)
         req.prefill_done = True
         # Embeddings this engine never had: a recompute could not rebuild the prompt.
         req.recomputable = not req.mm_items

@@ -2,8 +2,9 @@
 new role shares with the old stay where they are; only a part the new role adds (the
 vision tower, the language model, a cache) is built, and one it drops is let go.
 
-P <-> D keeps the language model and the KV cache (D also keeps P's MM cache: it costs
-nothing to hold and a switch back needs it); E <-> P/D loads or frees the language model
+P <-> D keeps the language model and the KV cache (D also keeps P's MM cache, and with
+`EngineConfig.keep_mm_cache` a D instance has one from the start: a switch to P then
+allocates and registers nothing); E <-> P/D loads or frees the language model
 and its KV cache, or the vision tower. The engine must hold no request: the instance
 offloads and migrates its work before it calls `Engine.set_role`.
 """
@@ -32,8 +33,9 @@ class PartsChanged:
         return any(p in ("kv_cache", "mm_cache") for p in self.freed)
 
 
-def needs_mm(role: InstanceType) -> bool:
-    return role.runs(Stage.ENCODE) or role.runs(Stage.PREFILL)
+def needs_mm(role: InstanceType, keep_mm_cache: bool = False) -> bool:
+    """E and P instances hold an MM cache; with `keep_mm_cache` every LLM instance does."""
+    return role.runs(Stage.ENCODE) or role.runs(Stage.PREFILL) or (keep_mm_cache and role.needs_language)
 
 
 def change_parts(engine: Engine, role: InstanceType) -> PartsChanged:
@@ -62,8 +64,8 @@ def change_parts(engine: Engine, role: InstanceType) -> PartsChanged:
     elif language is None and engine.kv is not None:
         engine.kv = None
         freed.append("kv_cache")
-    keep_mm = needs_mm(role) or (engine.mm is not None and language is not None)
-    if needs_mm(role) and engine.mm is None:
+    keep_mm = needs_mm(role, cfg.keep_mm_cache) or (engine.mm is not None and language is not None)
+    if needs_mm(role, cfg.keep_mm_cache) and engine.mm is None:
         engine.mm = make_mm_cache(cfg, engine.spec, engine.max_model_len)
         loaded.append("mm_cache")
     elif not keep_mm and engine.mm is not None:
