@@ -134,9 +134,8 @@ class OutputProcessor:
     def hand_back(self) -> list[RequestOutput]:
         """Offload: queued requests that have not started end with HANDED_BACK (the router
         runs them elsewhere; nothing of them reached a client)."""
-        unstarted = [r for r in self.scheduler.waiting
-                     if r.prefilled is None and not r.output_token_ids and r.num_computed_tokens == 0
-                     and not any(e is not None for e in r.mm_entries) and not r.num_preemptions]
+        # A request preempted after its first token has streamed tokens: it stays (and migrates).
+        unstarted = [r for r in self.scheduler.waiting if r.prefilled is None and not r.output_token_ids]
         self.scheduler.counters.handed_back += len(unstarted)
         return [self.finish(r, FinishReason.ERROR, HANDED_BACK) for r in unstarted]
 
