@@ -137,13 +137,25 @@ def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
         by_role: dict[str, list[str]] = {}
         for inst in _instances(dep):
             by_role.setdefault(inst["role"], []).append(inst["instance_id"])
+        urls = {i["instance_id"]: i["url"] for i in _instances(dep)}
         d0, p0, e0 = by_role["D"][0], by_role["P"][0], by_role["E"][0]
         reports = {}
         for n, (instance_id, role) in enumerate([(d0, "P"), (p0, "D"), (e0, "D"), (e0, "E")]):
             cases = servekit.make_cases(64, max_tokens=40, seed_base=5000 + 100 * n)
-            results, report = asyncio.run(_run_while(model, dep, cases,
-                                                     lambda i=instance_id, r=role: _switch(dep, i, r)))
+            decoding = n in (0, 3)  # D->P and D->E: switch once decodes run there
+
+            def during(i: str = instance_id, r: str = role, wait: bool = decoding) -> dict:
+                deadline = time.monotonic() + 60
+                while wait and time.monotonic() < deadline:
+                    if httpx.get(f"{urls[i]}/admin/stats", timeout=10).json().get("num_running", 0):
+                        break
+                    time.sleep(0.02)
+                return _switch(dep, i, r)
+
+            results, report = asyncio.run(_run_while(model, dep, cases, during))
             assert report["role"] == role
+            if decoding:
+                assert report["migrated"] >= 1, report
             reports[f"{instance_id}->{role}"] = report
             _assert_exact(model, cases, results)
             time.sleep(1.5)
