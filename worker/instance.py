@@ -33,6 +33,7 @@ class InstanceRuntime:
         self.switching = False  # offload -> migrate -> onload under way (see switch)
         self.target_role: str | None = None
         self.inflight = 0
+        self.preparing = 0  # stage runs pulling their inputs (not yet in the engine)
         self.transfer_bytes: dict[str, int] = {}  # transport -> bytes pulled, across roles
         self._switch_lock = asyncio.Lock()
 
@@ -121,7 +122,7 @@ class InstanceRuntime:
         engine = self.engine
         assert engine is not None
         deadline = time.monotonic() + self.settings.drain_timeout_s
-        while (engine.num_requests or self.inflight or self.leases_outstanding()) \
+        while (engine.num_requests or self.inflight or self.preparing or self.leases_outstanding()) \
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
         if self.migration is not None and self.leases_outstanding():

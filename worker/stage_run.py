@@ -43,6 +43,15 @@ async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, l
     missing = [s.value for s in sreq.stages if not engine.role.runs(s)]
     if missing:
         raise NotServingError(f"instance role {engine.role.value} does not run stage(s) {', '.join(missing)}")
+    # A role switch waits for runs still pulling their inputs: their sources free what they pull.
+    inst.preparing += 1
+    try:
+        return await _pull_inputs(migration, sreq)
+    finally:
+        inst.preparing -= 1
+
+
+async def _pull_inputs(migration: MigrationService, sreq: StageRequest) -> tuple[Request, list[Any]]:
     try:
         images = {h: base64.b64decode(data, validate=True) for h, data in sreq.images.items()}
     except ValueError as exc:

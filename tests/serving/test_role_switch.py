@@ -141,7 +141,7 @@ def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
         d0, p0, e0 = by_role["D"][0], by_role["P"][0], by_role["E"][0]
         reports = {}
         for n, (instance_id, role) in enumerate([(d0, "P"), (p0, "D"), (e0, "D"), (e0, "E")]):
-            cases = servekit.make_cases(64, max_tokens=40, seed_base=5000 + 100 * n)
+            cases = servekit.make_cases(64, max_tokens=100, seed_base=5000 + 100 * n)
             decoding = n in (0, 3)  # D->P and D->E: switch once decodes run there
 
             def during(i: str = instance_id, r: str = role, wait: bool = decoding) -> dict:
