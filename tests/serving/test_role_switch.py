@@ -37,7 +37,7 @@ def _instances(dep) -> list[dict]:
 
 
 def _cases(n: int, seed_base: int) -> list[servekit.Case]:
-    cases = servekit.make_cases(n, max_tokens=120, seed_base=seed_base)
+    cases = servekit.make_cases(n, max_tokens=300, seed_base=seed_base)
     for c in cases:
         c.stream = True
     return cases
@@ -48,7 +48,7 @@ async def _run_while(model: Path, dep, cases: list[servekit.Case], during) -> tu
     async with httpx.AsyncClient(timeout=180) as client:
         tasks = [asyncio.create_task(servekit.chat(client, dep.router_url, c.openai_body(model.name)))
                  for c in cases]
-        await asyncio.sleep(1.0)  # prompts prefilled, decodes under way
+        await asyncio.sleep(0.2)  # requests under way (`during` may wait for decodes itself)
         result = await asyncio.to_thread(during)
         return await asyncio.gather(*tasks), result
 
@@ -61,6 +61,18 @@ def _assert_exact(model: Path, cases: list[servekit.Case], results: list[dict]) 
 
 def _migrated_in(dep) -> int:
     return sum(s["counters"].get("migrated_in", 0) for s in servekit.stats(dep).values() if "counters" in s)
+
+
+def _when_decoding(url: str, then):
+    """`then`, once the instance at `url` runs a request (a decode, for a D instance)."""
+    def run():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if httpx.get(f"{url}/admin/stats", timeout=10).json().get("num_running", 0):
+                break
+            time.sleep(0.02)
+        return then()
+    return run
 
 
 def _switch(dep, instance_id: str, role: str) -> dict:
@@ -83,12 +95,26 @@ def test_router_admin_api_refuses_bad_calls(epd4) -> None:
     assert httpx.post(url, json={"instance": d["instance_id"], "role": "XYZ"}, headers=ok).status_code == 400
 
 
+def _switch_a_busy_d(dep, role: str) -> dict:
+    """Switch whichever D instance runs decodes first (the router picks where they go)."""
+    ds = [i for i in _instances(dep) if i["role"] == "D"]
+    deadline = time.monotonic() + 60
+    busy = ds[0]
+    while time.monotonic() < deadline:
+        running = [i for i in ds if httpx.get(f"{i['url']}/admin/stats", timeout=10).json().get("num_running")]
+        if running:
+            busy = running[0]
+            break
+        time.sleep(0.02)
+    return _switch(dep, busy["instance_id"], role)
+
+
 def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     model, dep = epd4
-    d = next(i for i in _instances(dep) if i["role"] == "D")
     cases = _cases(8, seed_base=3100)
     taken_over = _migrated_in(dep)
-    results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch(dep, d["instance_id"], "P")))
+    results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch_a_busy_d(dep, "P")))
+    d = {"instance_id": report["instance"]}
     print("D->P report:", report)
     assert report["role"] == "P" and report["migrated"] >= 1
     assert set(report) >= {"offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back"}
@@ -144,14 +170,13 @@ def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
             cases = servekit.make_cases(64, max_tokens=100, seed_base=5000 + 100 * n)
             decoding = n in (0, 3)  # D->P and D->E: switch once decodes run there
 
-            def during(i: str = instance_id, r: str = role, wait: bool = decoding) -> dict:
-                deadline = time.monotonic() + 60
-                while wait and time.monotonic() < deadline:
-                    if httpx.get(f"{urls[i]}/admin/stats", timeout=10).json().get("num_running", 0):
-                        break
-                    time.sleep(0.02)
+            def switch(i: str = instance_id, r: str = role) -> dict:
                 return _switch(dep, i, r)
 
+            during = _when_decoding(urls[instance_id], switch) if n == 3 else switch
+            if n == 0:  # whichever D the router gave decodes to
+                def during(r: str = role) -> dict:
+                    return _switch_a_busy_d(dep, r)
             results, report = asyncio.run(_run_while(model, dep, cases, during))
             assert report["role"] == role
             if decoding:
