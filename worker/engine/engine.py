@@ -104,7 +104,8 @@ class Engine:
         only what the new role adds or drops is loaded or freed. Needs an engine holding
         no request (the instance offloads and migrates first)."""
         with self._lock:
-            if self._requests or self._inbox or self.scheduler.has_work:
+            self._drain_inbox([])  # stray aborts / releases of requests already gone
+            if self._requests or self.scheduler.has_work:
                 raise RuntimeError(f"set_role needs an idle engine; {len(self._requests)} request(s) held")
             changed = change_parts(self, role)
             self.role = self.config.role = role
