@@ -19,6 +19,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Gauge
 
+from triptych.router.admin import add_admin_routes
 from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
 from triptych.router.http_server import check_bind, run
@@ -44,6 +45,7 @@ def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None 
           registry=metrics).labels(config.model_name).set(config.slo_attainment_target)
     orchestrator = Orchestrator(registry, client, chooser or Chooser(), orchestrator_config, metrics)
     app = create_app(config, orchestrator, registry=metrics)
+    add_admin_routes(app, registry, client, config.load_admin_token())
     inner = app.router.lifespan_context
 
     @asynccontextmanager

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from triptych.router.affinity import AffinityIndex
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
-from triptych.router.registry import Registry
+from triptych.router.registry import Instance, Registry
 from triptych.router.routing import (
     Chooser,
     Decision,
@@ -40,6 +40,7 @@ from triptych.stage_protocol import (
     EncodedEvent,
     FinishedEvent,
     KVSource,
+    MigratingEvent,
     MMItemSpec,
     MMSource,
     PrefilledEvent,
@@ -67,6 +68,7 @@ class OrchestratorConfig:
     max_inflight: int = 512  # requests in flight before new ones get 429
     max_instance_load: float | None = None  # 429 when every first-stage instance reports more queued work
     retry_after_s: float = 1.0
+    max_decode_hops: int = 8  # instances one decode may pass through (refusals, migrations)
 
 
 @dataclass
@@ -108,7 +110,8 @@ class Orchestrator:
         else:
             status = "degraded"
         instances = [{"url": i.url, "role": i.role.value if i.role else "unassigned", "ready": i.ready,
-                      "draining": i.draining, "load": i.load, "instance_id": i.instance_id}
+                      "draining": i.draining, "load": i.load, "instance_id": i.instance_id,
+                      "switching_to": i.switching_to}
                      for i in self.registry.instances.values()]
         return {"status": status, "roles": roles, "stages": stages, "instances": instances,
                 "inflight": self.inflight}
@@ -210,6 +213,10 @@ class Orchestrator:
         mm_sources = [source for group in results for source in group]
         kv_source: KVSource | None = None
         for hop in plan.hops:
+            if kv_source is not None and list(hop.stages) == [Stage.DECODE]:
+                async for event in self._decode(req, kv_source, mm_items, footprint, first=hop.instance):
+                    yield event
+                return
             sreq = StageRequest(
                 request_id=req.request_id, stages=list(hop.stages), prompt_token_ids=req.prompt_token_ids,
                 mm_items=mm_items, images={h: images[h] for h in hop.images},
@@ -217,22 +224,84 @@ class Orchestrator:
                 kv_source=kv_source, sampling=req.sampling, timeout_s=self._deadline(hop.stages, req),
             )
             footprint.urls.add(hop.instance.url)
-            kv_source = None
+            kv_source = migrated = None
             async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s)) as events:
                 async for event in events:
                     if isinstance(event, PrefilledEvent):
                         kv_source = event.kv
                         yield TokenEvent(token_ids=[event.kv.first_token])
+                    elif isinstance(event, MigratingEvent):
+                        migrated = event.kv
                     elif isinstance(event, TokensEvent):
                         yield TokenEvent(token_ids=event.token_ids)
                     elif isinstance(event, FinishedEvent):
-                        if event.finish_reason == "abort":  # the instance dropped it: never a 200
-                            raise StageFailure(hop.instance, f"{hop.instance.url} aborted the request",
-                                               stage=hop.stages[-1])
-                        yield TokenEvent(token_ids=[], finish_reason=event.finish_reason)
+                        yield self._finished(hop.instance, event, hop.stages[-1])
                         return
+            if migrated is not None:
+                async for event in self._decode(req, migrated, mm_items, footprint, exclude={hop.instance.url}):
+                    yield event
+                return
             if kv_source is None:
                 raise StageFailure(hop.instance, f"{hop.instance.url} ended {list(hop.stages)} without a hand-over")
+
+    @staticmethod
+    def _finished(inst: Instance, event: FinishedEvent, stage: Stage) -> TokenEvent:
+        if event.finish_reason == "abort":  # the instance dropped it: never a 200
+            raise StageFailure(inst, f"{inst.url} aborted the request", stage=stage)
+        return TokenEvent(token_ids=[], finish_reason=event.finish_reason)
+
+    async def _decode(self, req: GenerationRequest, kv: KVSource, mm_items: list[MMItemSpec],
+                      footprint: Footprint, first: Instance | None = None,
+                      exclude: set[str] | None = None) -> AsyncIterator[TokenEvent]:
+        """Decode from a KV cache another instance offers: a prefill's hand-over, or a
+        decode migrated mid-stream (EPDServe §3.2.4 role switching, or a drain). A decode
+        instance that refuses before its first event (503: switching, draining, full) is
+        passed over for another with the same KV; one that migrates the decode on hands a
+        new KV, and the stream goes on there. Tokens append to the same client stream."""
+        excluded = set(exclude or ())
+        target, request_id = first, req.request_id
+        for hop_no in range(1, self.config.max_decode_hops + 1):
+            if target is None:
+                candidates = self.registry.capable(Stage.DECODE, excluded)
+                if not candidates:
+                    self._decide(Stage.DECODE, "no_instance")
+                    raise BackendError(503, "no decode instance to continue the request on",
+                                       retry_after=self.config.retry_after_s)
+                target = self.chooser.choose(Stage.DECODE, candidates)
+                request_id = f"{req.request_id}.d{hop_no}"  # the old instance may still hold the old id
+                footprint.ids.append(request_id)
+            footprint.urls.add(target.url)
+            sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
+                                mm_items=mm_items, kv_source=kv, sampling=req.sampling,
+                                timeout_s=self._deadline([Stage.DECODE], req))
+            received, migrated = False, None
+            try:
+                async with aclosing(self.stages.run(target, sreq, self.config.stage_timeout_s)) as events:
+                    async for event in events:
+                        received = True
+                        if isinstance(event, MigratingEvent):
+                            migrated = event.kv
+                        elif isinstance(event, TokensEvent):
+                            yield TokenEvent(token_ids=event.token_ids)
+                        elif isinstance(event, FinishedEvent):
+                            yield self._finished(target, event, Stage.DECODE)
+                            return
+            except StageFailure as failure:
+                if received or failure.status != 503:
+                    raise
+                log.info("request %s: %s refused the decode (%s); trying another", req.request_id,
+                         target.url, failure)
+                self._decide(Stage.DECODE, "retried")
+            else:
+                if migrated is None:
+                    raise StageFailure(target, f"{target.url} ended the decode without finishing it",
+                                       stage=Stage.DECODE)
+                kv = migrated
+                log.info("request %s: decode migrated off %s", req.request_id, target.url)
+            excluded.add(target.url)
+            target = None
+        raise StageFailure(first or Instance(url="?"), f"decode moved more than {self.config.max_decode_hops} times",
+                           stage=Stage.DECODE)
 
     async def _encode_only(self, req: GenerationRequest, run: EncodeRun, images: dict[str, str],
                            mm_items: list[MMItemSpec], footprint: Footprint) -> list[MMSource]:

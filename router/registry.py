@@ -28,6 +28,7 @@ class Instance:
     failures: int = 0
     instance_id: str = ""
     inflight: int = 0  # requests this router has on it now
+    switching_to: str | None = None  # the role it is switching to (offload -> migrate -> onload)
 
     def can_run(self, stage: Stage) -> bool:
         return self.ready and not self.draining and self.role is not None and self.role.runs(stage)
@@ -63,6 +64,9 @@ class Registry:
     async def refresh(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self._probe(client, inst) for inst in list(self.instances.values())))
 
+    async def refresh_one(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        await self._probe(client, inst)
+
     async def _probe(self, client: httpx.AsyncClient, inst: Instance) -> None:
         try:
             resp = await client.get(f"{inst.url}/health", timeout=self.timeout_s)
@@ -70,6 +74,7 @@ class Registry:
             role = body.get("role")
             inst.role = InstanceType(role) if role in InstanceType.__members__ else None
             inst.ready = resp.status_code == 200 and body.get("status") == "ok"
+            inst.switching_to = body.get("target_role") if body.get("status") == "switching" else None
             inst.draining = bool(body.get("draining", False))
             inst.load = float(body.get("load", 0.0))
             inst.instance_id = str(body.get("instance_id", ""))
@@ -78,6 +83,17 @@ class Registry:
             inst.failures += 1
             inst.ready = False
             log.debug("health probe of %s failed: %s", inst.url, exc)
+
+    def by_instance_id(self, instance_id: str) -> Instance | None:
+        return next((i for i in self.instances.values() if i.instance_id == instance_id), None)
+
+    def mark_switching(self, url: str, role: str | None) -> None:
+        """Out of rotation while it switches (at once, not at the next probe); `None` when
+        the switch is over (the next probe says what it serves)."""
+        inst = self.instances.get(url)
+        if inst is not None:
+            inst.switching_to = role
+            inst.ready = inst.ready and role is None
 
     def mark_failed(self, url: str) -> None:
         """Take an instance out of rotation until its next successful probe."""

@@ -81,11 +81,17 @@ class MMSource(BaseModel):
 
 
 class KVSource(BaseModel):
-    """A prefilled KV cache on another instance plus the token it sampled first."""
+    """A prefilled KV cache on another instance plus the token it sampled first.
+
+    A decode migrated mid-stream (a role switch or a drain; EPDServe §3.2.4) also names the
+    output tokens sampled before `first_token` (`generated`): the KV then holds prompt +
+    generated, `first_token` is the last token sampled, and the decode instance that pulls
+    it goes on at output index len(generated) + 1 (seeds, max_tokens and stops continue)."""
 
     handle: Handle
     num_tokens: int
     first_token: int
+    generated: list[int] = []
 
 
 class StageRequest(BaseModel):
@@ -123,6 +129,15 @@ class PrefilledEvent(BaseModel):
     kv: KVSource
 
 
+class MigratingEvent(BaseModel):
+    """The instance hands a running decode to another decode instance (role switch or
+    drain): every token so far was streamed; the router runs a decode hop elsewhere with
+    `kv` as its kv_source and appends its tokens to the same stream."""
+
+    type: Literal["migrating"] = "migrating"
+    kv: KVSource
+
+
 class FinishedEvent(BaseModel):
     type: Literal["finished"] = "finished"
     finish_reason: Literal["stop", "length", "abort"]
@@ -138,7 +153,7 @@ class ErrorEvent(BaseModel):
 # One line of a `/internal/run` answer: the `type` field says which event it is. Each
 # event is written as its own model's JSON (`event.model_dump_json()`), so the union
 # changes nothing on the wire; readers parse a line with `parse_stage_event`.
-StageEvent = Annotated[EncodedEvent | TokensEvent | PrefilledEvent | FinishedEvent | ErrorEvent,
+StageEvent = Annotated[EncodedEvent | TokensEvent | PrefilledEvent | MigratingEvent | FinishedEvent | ErrorEvent,
                        Field(discriminator="type")]
 STAGE_EVENT = TypeAdapter(StageEvent)
 

@@ -9,6 +9,7 @@ its callers reads an error's message to choose a status.
 from __future__ import annotations
 
 from triptych.worker.engine.request import (
+    HANDED_BACK,
     ImageTooLargeError,
     InvalidImageError,
     RequestOutput,
@@ -79,4 +80,4 @@ _KV_EXHAUSTED = "KV cache exhausted"
 
 def engine_failure_status(out: RequestOutput) -> int:
     """The status of a request the engine failed after admission (`out.error` is set)."""
-    return 503 if out.error == _KV_EXHAUSTED else 500
+    return 503 if out.error in (_KV_EXHAUSTED, HANDED_BACK) else 500

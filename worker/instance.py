@@ -9,7 +9,7 @@ import logging
 import time
 from typing import Any
 
-from triptych.topology import UNASSIGNED, InstanceType
+from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
 from triptych.worker.migration import MigrationService
@@ -31,7 +31,10 @@ class InstanceRuntime:
         self.migration: MigrationService | None = None
         self.loading = False
         self.draining = False
+        self.switching = False  # offload -> migrate -> onload under way (see switch)
+        self.target_role: str | None = None
         self.inflight = 0
+        self.preparing = 0  # stage runs pulling their inputs (not yet in the engine)
         self.transfer_bytes: dict[str, int] = {}  # transport -> bytes pulled, across roles
         self._switch_lock = asyncio.Lock()
         # Image decode and preprocessing run here, never on the event loop (admission.py).
@@ -44,7 +47,13 @@ class InstanceRuntime:
                                      block_size=s.block_size, num_kv_blocks=s.num_kv_blocks,
                                      num_mm_blocks=s.num_mm_blocks, max_model_len=s.max_model_len,
                                      token_budget=s.token_budget, image_budget=s.image_budget,
-                                     ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s))
+                                     ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s, keep_mm_cache=True))
+        transfer, migration = self._wire_transfer(engine, role)
+        engine.start()
+        return engine, transfer, migration
+
+    def _wire_transfer(self, engine: Engine, role: InstanceType) -> tuple[TransferEngine, MigrationService]:
+        s = self.settings
         transfer = TransferEngine(f"{s.instance_id}-{role.value}", require=s.transfer_require)
         if engine.kv is not None:
             transfer.register("kv", engine.kv.tensor)
@@ -53,32 +62,103 @@ class InstanceRuntime:
         migration = MigrationService(engine, transfer, lease_seconds=s.lease_seconds,
                                      pull_timeout_s=s.pull_timeout_s, bytes_pulled=self.transfer_bytes,
                                      lease_margin_s=s.lease_margin_s)
-        engine.start()
-        return engine, transfer, migration
+        return transfer, migration
 
-    async def switch(self, role: str) -> None:
-        """Drain in-flight work, drop the old engine, load what `role` needs."""
+    async def switch(self, role: str) -> dict[str, Any]:
+        """Serve `role`. A running engine changes role in place (EPDServe §3.2.4): offload
+        (stop taking work, hand back queued requests not started), migrate (in-flight
+        prefills finish, decodes move to another decode instance), onload (keep what the new
+        role shares, load or free only the part it adds or drops). Returns each phase's
+        seconds and how many requests were migrated and handed back."""
         async with self._switch_lock:
             if role == self.role:
-                return
-            self.draining = True
+                return _report(0.0, 0.0, 0.0, 0, 0)
+            started = time.monotonic()
+            self.switching, self.target_role = True, role
             try:
-                await self.drain()
-                self.teardown()
-                if role != UNASSIGNED:
-                    self.loading = True
-                    built = await asyncio.to_thread(self._build, InstanceType(role))
-                    self.engine, self.transfer, self.migration = built
-                    self.migration.start()
+                if self.engine is None or role == UNASSIGNED:
+                    return await self._rebuild(role, started)
+                before = dict(self.engine.scheduler.counters.as_dict())
+                await self._offload()
+                offloaded = time.monotonic()
+                await self._migrate()
+                migrated = time.monotonic()
+                await self._onload(InstanceType(role))
+                after = self.engine.scheduler.counters.as_dict()
                 self.role = role
-                log.info("instance %s now serves role %s", self.settings.instance_id, role)
+                log.info("instance %s now serves role %s (in place)", self.settings.instance_id, role)
+                return _report(offloaded - started, migrated - offloaded, time.monotonic() - migrated,
+                               after["migrated_out"] - before["migrated_out"],
+                               after["handed_back"] - before["handed_back"])
+            finally:
+                self.switching, self.target_role = False, None
+
+    async def _rebuild(self, role: str, started: float) -> dict[str, Any]:
+        """From or to unassigned: drain, tear down, build what `role` needs."""
+        await self.drain()
+        drained = time.monotonic()
+        self.teardown()
+        if role != UNASSIGNED:
+            self.loading = True
+            try:
+                built = await asyncio.to_thread(self._build, InstanceType(role))
             finally:
                 self.loading = False
-                self.draining = False
+            self.engine, self.transfer, self.migration = built
+            self.migration.start()
+        self.role = role
+        log.info("instance %s now serves role %s", self.settings.instance_id, role)
+        return _report(0.0, drained - started, time.monotonic() - drained, 0, 0)
+
+    async def _offload(self) -> None:
+        """Hand back queued requests (their runs end with a retriable 503 before their first
+        token) and start migrating decodes out; returns once the engine has done both."""
+        engine = self.engine
+        assert engine is not None
+        engine.offload(migrate=engine.role.runs(Stage.DECODE))
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while engine.has_pending_inbox and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+
+    async def _migrate(self) -> None:
+        """Wait until every request has left the engine (prefills finished and handed over,
+        decodes pulled by their new instance) and every stage run has ended."""
+        engine = self.engine
+        assert engine is not None
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while (engine.num_requests or self.inflight or self.preparing or self.leases_outstanding()) \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+        if self.migration is not None and self.leases_outstanding():
+            log.warning("switch: %d leases unconfirmed after %.0fs; freeing them", self.leases_outstanding(),
+                        self.settings.drain_timeout_s)
+            self.migration.free_all()
+        for request_id in engine.request_ids():
+            log.warning("switch: aborting request %s that did not finish in time", request_id)
+            self.abort(request_id)
+        while engine.num_requests and time.monotonic() < deadline + 5.0:
+            await asyncio.sleep(0.005)
+
+    async def _onload(self, role: InstanceType) -> None:
+        """Change the engine's role in place; re-register the caches it gained or lost."""
+        assert self.engine is not None and self.transfer is not None and self.migration is not None
+        changed = await asyncio.to_thread(self.engine.set_role, role)
+        if changed.caches_dropped:  # a registered region's memory goes: a fresh transfer agent
+            self.migration.stop()
+            self.transfer.close()
+            self.transfer, self.migration = await asyncio.to_thread(self._wire_transfer, self.engine, role)
+            self.migration.start()
+            return
+        for region, cache in (("kv", self.engine.kv), ("mm", self.engine.mm)):
+            if f"{region}_cache" in changed.loaded and cache is not None:
+                self.transfer.register(region, cache.tensor)
 
     async def drain(self) -> None:
         """Wait (up to drain_timeout_s) for in-flight runs and outstanding hand-overs; then
-        free the leases nobody pulled."""
+        free the leases nobody pulled. Running decodes are handed to another decode
+        instance (migrated out) rather than waited for."""
+        if self.engine is not None and self.engine.role.runs(Stage.DECODE):
+            self.engine.offload(migrate=True)
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while (self.inflight or self.leases_outstanding()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -108,6 +188,8 @@ class InstanceRuntime:
     # -- views -------------------------------------------------------------------------
     @property
     def status(self) -> str:
+        if self.switching:
+            return "switching"
         if self.loading:
             return "loading"
         if self.draining:
@@ -136,3 +218,9 @@ class InstanceRuntime:
         if self.engine is not None:
             base.update(self.engine.stats())
         return base
+
+
+def _report(offload_s: float, migrate_s: float, onload_s: float, migrated: int, handed_back: int) -> dict[str, Any]:
+    """What `/admin/role` answers: each phase's seconds and what moved."""
+    return {"offload_s": round(offload_s, 6), "migrate_s": round(migrate_s, 6), "onload_s": round(onload_s, 6),
+            "total_s": round(offload_s + migrate_s + onload_s, 6), "migrated": migrated, "handed_back": handed_back}

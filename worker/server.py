@@ -77,7 +77,8 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         body = {"status": inst.status, "role": inst.role, "instance_id": settings.instance_id,
-                "load": inst.load(), "draining": inst.draining, "transport": inst.transport}
+                "load": inst.load(), "draining": inst.draining, "transport": inst.transport,
+                "target_role": inst.target_role}
         return JSONResponse(body, status_code=200 if inst.status in ("ok", "unassigned") else 503)
 
     @app.get("/ready")
@@ -101,12 +102,12 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
             return _error(400, f"unknown role {body.role!r}; expected one of "
                                f"{', '.join(t.value for t in InstanceType)} or {UNASSIGNED}")
         try:
-            await inst.switch(body.role)
+            report = await inst.switch(body.role)
         except Exception as exc:  # a failed load leaves the instance unassigned, and says why
             log.exception("role switch to %s failed", body.role)
             inst.role = UNASSIGNED
             return _error(500, f"switching to {body.role} failed: {exc}")
-        return JSONResponse({"role": inst.role, "status": inst.status})
+        return JSONResponse({"role": inst.role, "status": inst.status, **report})
 
     @app.post("/internal/run")
     async def run(http: HttpRequest) -> Response:

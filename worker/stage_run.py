@@ -20,6 +20,7 @@ from triptych.stage_protocol import (
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
+    MigratingEvent,
     PrefilledEvent,
     StageRequest,
     TokensEvent,
@@ -38,11 +39,21 @@ async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, l
     embeddings / KV. Returns the request and the MM entries to release once the engine
     holds its own references. Raises the typed errors of worker/errors.py."""
     engine, migration = inst.engine, inst.migration
-    if engine is None or migration is None or inst.draining:
+    if engine is None or migration is None or inst.draining or inst.switching:
         raise NotServingError(f"instance {inst.settings.instance_id} is {inst.status}; not accepting work")
     missing = [s.value for s in sreq.stages if not engine.role.runs(s)]
     if missing:
         raise NotServingError(f"instance role {engine.role.value} does not run stage(s) {', '.join(missing)}")
+    # A role switch waits for runs still pulling their inputs: their sources free what they pull.
+    inst.preparing += 1
+    try:
+        return await _pull_inputs(inst, engine, migration, sreq)
+    finally:
+        inst.preparing -= 1
+
+
+async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationService,
+                       sreq: StageRequest) -> tuple[Request, list[Any]]:
     # Image work first (nothing is reserved yet), on the decode pool: off the event loop.
     images = await inst.decode_pool.run(decode_payload, sreq.images, sreq.mm_items) if sreq.images else {}
     vins: dict[str, Any] = {}
@@ -55,7 +66,8 @@ async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, l
         if sreq.kv_source is not None:
             src = sreq.kv_source
             block_ids = await migration.pull_kv(src)
-            prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token)
+            prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token,
+                                    generated=list(src.generated))
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
                       images=images, stages=frozenset(sreq.stages), prefilled=prefilled)
         req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
@@ -91,6 +103,12 @@ def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOut
         assert handoff.first_token is not None
         kv = migration.offer_kv(sreq.request_id, handoff.kv_block_ids, handoff.num_kv_tokens, handoff.first_token)
         return [PrefilledEvent(kv=kv)]
+    if handoff is not None and handoff.stage == Stage.DECODE:  # migrated out (role switch, drain)
+        assert handoff.first_token is not None
+        kv = migration.offer_kv(sreq.request_id, handoff.kv_block_ids, handoff.num_kv_tokens, handoff.first_token)
+        kv.generated = list(handoff.generated)
+        tokens = out.new_token_ids[skip:]
+        return ([TokensEvent(token_ids=tokens)] if tokens else []) + [MigratingEvent(kv=kv)]
     events: list[BaseModel] = []
     tokens = out.new_token_ids[skip:]
     if tokens:
@@ -109,7 +127,9 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
     """The engine's outputs for `req` as NDJSON event lines; failures end it with an error event."""
     engine, migration = inst.engine, inst.migration
     assert engine is not None and migration is not None
-    skip = 1 if req.prefilled is not None else 0  # token 1 was sampled (and streamed) by P
+    # Tokens sampled (and streamed) before this instance: P's first token, and a migrated
+    # decode's earlier tokens.
+    skip = 1 + len(req.prefilled.generated) if req.prefilled is not None else 0
     inst.inflight += 1
     try:
         async for out in engine.generate(req, timeout_s=sreq.timeout_s):

@@ -140,14 +140,18 @@ class Admission:
         assert pre is not None and self.kv is not None
         if Stage.PREFILL in req.stages:
             raise RequestValidationError("a request with a prefilled KV cache must not run the prefill stage")
-        if pre.num_tokens != req.num_prompt_tokens:
-            raise RequestValidationError(f"prefilled KV holds {pre.num_tokens} tokens; the prompt has "
-                                         f"{req.num_prompt_tokens}")
+        if pre.num_tokens != req.num_prompt_tokens + len(pre.generated):
+            raise RequestValidationError(f"prefilled KV holds {pre.num_tokens} tokens; the prompt and the "
+                                         f"tokens generated before have {req.num_prompt_tokens + len(pre.generated)}")
         if len(pre.block_ids) != self.kv.blocks_for(pre.num_tokens):
             raise RequestValidationError(f"{len(pre.block_ids)} KV blocks given for {pre.num_tokens} tokens; "
                                          f"expected {self.kv.blocks_for(pre.num_tokens)}")
-        if not 0 <= pre.first_token < self.spec.vocab_size:
-            raise RequestValidationError(f"first token {pre.first_token} is outside the vocabulary")
+        if not all(0 <= t < self.spec.vocab_size for t in [*pre.generated, pre.first_token]):
+            raise RequestValidationError(f"a generated token of {[*pre.generated, pre.first_token]} is "
+                                         "outside the vocabulary")
+        if pre.generated and len(pre.generated) + 1 >= req.params.max_tokens:
+            raise RequestValidationError(f"{len(pre.generated) + 1} tokens were generated already; "
+                                         f"max_tokens is {req.params.max_tokens}")
 
     def _prepare_text(self, req: Request) -> None:
         """Detokenize as tokens come only where it is needed: for stop strings, or when

@@ -41,6 +41,9 @@ class EngineConfig(BaseModel):
     # read (the router detokenizes what it streams itself).
     detokenize: bool = False
     threads: int | None = Field(default=None, ge=1)
+    # A D instance holds an MM cache too, so that a switch to P (or PD) in place allocates
+    # and registers nothing (EPDServe §3.2.4; the worker sets it: roles change at run time).
+    keep_mm_cache: bool = False
     # Tests: scramble the free lists so block tables are non-contiguous.
     shuffle_seed: int | None = None
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from triptych.sampling_params import SamplingParams
-from triptych.topology import Stage
+from triptych.topology import InstanceType
 from triptych.worker.engine.admission import Admission
 from triptych.worker.engine.config import (
     DEFAULT_IMAGE_BUDGET,
@@ -51,7 +51,8 @@ from triptych.worker.engine.request import (
     RequestValidationError,
     StageNotServedError,
 )
-from triptych.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from triptych.worker.engine.role_change import PartsChanged, change_parts, needs_mm
+from triptych.worker.engine.scheduler import Counters, ScheduledBatch, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +75,49 @@ class Engine:
         self.max_model_len = min(config.max_model_len or self.spec.max_model_len, self.spec.max_model_len)
         self.tokenizer = _load_tokenizer(Path(config.model))
         self.kv = make_kv_cache(config, self.spec, self.max_model_len) if self.language is not None else None
-        needs_mm = self.role.runs(Stage.ENCODE) or self.role.runs(Stage.PREFILL)
-        self.mm = make_mm_cache(config, self.spec, self.max_model_len) if needs_mm else None
+        holds_mm = needs_mm(self.role, config.keep_mm_cache)
+        self.mm = make_mm_cache(config, self.spec, self.max_model_len) if holds_mm else None
         self._requests: dict[str, Request] = {}  # in the loop, by id
         self._known_ids: set[str] = set()  # added and not finished (inbox included)
         self._inbox: deque[tuple[str, Any]] = deque()
         self._lock = threading.RLock()  # guards caches and queues against reserve_* callers
-        self.admission = Admission(config, self.model, self.kv, self.mm, self.max_model_len, self.tokenizer,
-                                   self._lock, self._known_ids)
-        self.runner = ModelRunner(self.model, self.kv, self.mm, self.device, self._lock)
-        budgets = self._budgets()
-        self.scheduler = Scheduler(SchedulerConfig(budgets[0], budgets[1], config.max_num_seqs), self.kv, self.mm)
-        self.runner.counters = self.scheduler.counters
-        self.output = OutputProcessor(self.scheduler, self._requests, self._known_ids, self.spec.eos_token_ids,
-                                      self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv, self.mm, self.device, self._lock)  # profiling uses it
+        self._budget_pair = self._budgets()
+        self._wire(Counters(), self.spec.eos_token_ids)
+        self.migrating_out = False  # park every decode after its step (role switch / drain)
         self.driver = EngineDriver(self)
         self.stalled = False  # the last step found nothing it could run
+
+    def _wire(self, counters: Counters, eos_ids: Iterable[int]) -> None:
+        """(Re)build the parts that hold the model and caches (at start, and on set_role)."""
+        self.spec, self.vision, self.language = self.model.spec, self.model.vision, self.model.language
+        self.admission = Admission(self.config, self.model, self.kv, self.mm, self.max_model_len, self.tokenizer,
+                                   self._lock, self._known_ids)
+        self.runner = ModelRunner(self.model, self.kv, self.mm, self.device, self._lock)
+        tokens, images = self._budget_pair
+        self.scheduler = Scheduler(SchedulerConfig(tokens, images, self.config.max_num_seqs), self.kv, self.mm)
+        self.scheduler.counters = self.runner.counters = counters
+        self.output = OutputProcessor(self.scheduler, self._requests, self._known_ids, eos_ids, self.max_model_len)
+
+    def set_role(self, role: InstanceType) -> PartsChanged:
+        """Serve `role` from now on, in place (role_change.py): kept weights and caches stay,
+        only what the new role adds or drops is loaded or freed. Needs an engine holding
+        no request (the instance offloads and migrates first)."""
+        with self._lock:
+            self._drain_inbox([])  # stray aborts / releases of requests already gone
+            if self._requests or self.scheduler.has_work:
+                raise RuntimeError(f"set_role needs an idle engine; {len(self._requests)} request(s) held")
+            changed = change_parts(self, role)
+            self.role = self.config.role = role
+            self.migrating_out = False
+            self._wire(self.scheduler.counters, self.output.eos_ids)
+        return changed
+
+    def offload(self, *, migrate: bool) -> None:
+        """Hand back queued work that has not started; with `migrate`, park every decode
+        after its next step for another instance to pull (EPDServe §3.2.4)."""
+        self._inbox.append(("offload", migrate))
+        self.driver.wake()
 
     def _budgets(self) -> tuple[int, int]:
         cfg = self.config
@@ -220,6 +248,8 @@ class Engine:
         with self._lock:
             outputs.extend(self.output.process(batch, sampled))
             self.output.park_encoded(outputs)
+            if self.migrating_out:
+                outputs.extend(self.output.park_decodes())
         return outputs
 
     def _schedule(self, outputs: list[RequestOutput]) -> ScheduledBatch:
@@ -261,6 +291,11 @@ class Engine:
                 if arg.prefilled is not None:
                     self.output.enter_decode(arg)
                 self.scheduler.add(arg)
+            elif kind == "offload":
+                outputs.extend(self.output.hand_back())
+                self.migrating_out = self.migrating_out or arg
+                if arg:
+                    outputs.extend(self.output.park_decodes())
             elif kind in ("abort", "release"):
                 req = self._requests.get(arg)
                 if req is not None:
@@ -305,6 +340,19 @@ class Engine:
                                    "rows_per_block": self.mm.rows_per_block,
                                    "entries": self.mm.num_entries, "bytes": self.mm.nbytes}
             return out
+
+    @property
+    def has_pending_inbox(self) -> bool:
+        return bool(self._inbox)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the engine holds (queued, running, parked) or has yet to take in."""
+        return len(self._known_ids | self._requests.keys())
+
+    def request_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._known_ids | self._requests.keys())
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)

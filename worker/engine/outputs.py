@@ -15,7 +15,14 @@ from collections.abc import Iterable
 from triptych.topology import Stage
 from triptych.worker.engine.mm_cache import MMEntry
 from triptych.worker.engine.model_runner import Sampled
-from triptych.worker.engine.request import FinishReason, Handoff, Request, RequestOutput, RequestStatus
+from triptych.worker.engine.request import (
+    HANDED_BACK,
+    FinishReason,
+    Handoff,
+    Request,
+    RequestOutput,
+    RequestStatus,
+)
 from triptych.worker.engine.scheduler import ScheduledBatch, Scheduler, update_status
 
 
@@ -96,12 +103,41 @@ class OutputProcessor:
         assert pre is not None
         req.block_ids = list(pre.block_ids)
         req.num_computed_tokens = pre.num_tokens
-        req.output_token_ids = [pre.first_token]
+        # A migrated decode goes on at output index len(generated) + 1: seeds, max_tokens
+        # and stop handling count from there.
+        req.output_token_ids = [*pre.generated, pre.first_token]
+        self.scheduler.counters.migrated_in += bool(pre.generated)
         req.prefill_done = True
         # Embeddings this engine never had: a recompute could not rebuild the prompt.
         req.recomputable = not req.mm_items
-        # The instance that sampled it checked its text for stop strings already.
-        self._add_text(req, pre.first_token, last=False, check=False)
+        # The instance that sampled them checked their text for stop strings already.
+        for token in req.output_token_ids:
+            self._add_text(req, token, last=False, check=False)
+
+    def park_decodes(self) -> list[RequestOutput]:
+        """Migrate out (EPDServe §3.2.4): every running decode parks with its KV blocks and
+        the tokens it generated, for another decode instance to pull and go on from."""
+        outputs = []
+        for req in [r for r in self.scheduler.running if r.prefill_done and Stage.DECODE in r.stages]:
+            kv = self.scheduler.kv
+            assert kv is not None and req.output_token_ids
+            # Between steps the KV holds every token but the last sampled one.
+            handoff = Handoff(Stage.DECODE, kv_block_ids=req.block_ids[:kv.blocks_for(req.num_computed_tokens)],
+                              num_kv_tokens=req.num_computed_tokens, first_token=req.output_token_ids[-1],
+                              generated=req.output_token_ids[:-1])
+            self.scheduler.park(req)
+            req.handoff = handoff
+            self.scheduler.counters.migrated_out += 1
+            outputs.append(self.output(req, finished=True, handoff=handoff))
+        return outputs
+
+    def hand_back(self) -> list[RequestOutput]:
+        """Offload: queued requests that have not started end with HANDED_BACK (the router
+        runs them elsewhere; nothing of them reached a client)."""
+        # A request preempted after its first token has streamed tokens: it stays (and migrates).
+        unstarted = [r for r in self.scheduler.waiting if r.prefilled is None and not r.output_token_ids]
+        self.scheduler.counters.handed_back += len(unstarted)
+        return [self.finish(r, FinishReason.ERROR, HANDED_BACK) for r in unstarted]
 
     def park_encoded(self, outputs: list[RequestOutput]) -> None:
         """Encode-only requests whose embeddings are all ready hand off (HydraInfer §4.3)."""

@@ -82,6 +82,11 @@ class MissingEmbeddingError(RequestValidationError):
     """An image that is neither given (to encode here) nor in this engine's MM cache."""
 
 
+# The error of a queued request an instance gives back unstarted when it switches roles
+# (the router runs it elsewhere; worker/errors.py maps it to a retriable 503).
+HANDED_BACK = "handed back: the instance is switching roles"
+
+
 class StageNotServedError(RequestValidationError):
     """The request needs a stage this instance's role does not run."""
 
@@ -103,6 +108,9 @@ class PrefilledKV:
     block_ids: list[int]
     num_tokens: int
     first_token: int
+    # A decode migrated mid-stream (EPDServe §3.2.4): the output tokens sampled before
+    # `first_token`; the KV holds prompt + generated, and the stream goes on from there.
+    generated: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -134,6 +142,7 @@ class Handoff:
     kv_block_ids: list[int] = field(default_factory=list)
     num_kv_tokens: int = 0
     first_token: int | None = None
+    generated: list[int] = field(default_factory=list)  # DECODE: outputs before first_token
     # (content_hash, block_ids, num_rows) per distinct image embedding
     mm: list[tuple[str, list[int], int]] = field(default_factory=list)
 

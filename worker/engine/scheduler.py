@@ -78,6 +78,9 @@ class Counters:
     decode_tokens: int = 0
     images_encoded: int = 0
     mm_cache_hits: int = 0
+    handed_back: int = 0  # queued requests given back unstarted (role switch)
+    migrated_out: int = 0  # decodes parked for another instance to go on with
+    migrated_in: int = 0  # decodes taken over mid-stream from another instance
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))

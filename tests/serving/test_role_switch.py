@@ -1,0 +1,188 @@
+"""Zero-loss role switching through real processes (EPDServe §3.2.4): a decode instance
+switched to P (through the router's admin API) or SIGTERM'd mid-stream hands its running
+decodes to the other decode instance, and every stream still gives exactly the tokens of
+transformers; nothing fails, and afterwards no instance holds a block or a lease."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import servekit
+from servekit import tiny_dir
+from test_lifecycle import _assert_no_leaks, _wait_idle
+
+pytestmark = pytest.mark.slow
+
+TOKEN = "switch-admin-token"
+
+
+@pytest.fixture(scope="module")
+def epd4(tmp_path_factory: pytest.TempPathFactory):
+    model = tiny_dir("qwen2-vl")
+    tmp = tmp_path_factory.mktemp("switch")
+    (tmp / "admin").write_text(TOKEN)
+    with servekit.start(model, "1E1P2D", tmp, router_args=["--admin-token-file", str(tmp / "admin")]) as dep:
+        yield model, dep
+
+
+def _instances(dep) -> list[dict]:
+    r = httpx.get(f"{dep.router_url}/health", headers={"authorization": f"Bearer {TOKEN}"}, timeout=10)
+    return r.json()["instances"]
+
+
+def _cases(n: int, seed_base: int) -> list[servekit.Case]:
+    cases = servekit.make_cases(n, max_tokens=300, seed_base=seed_base)
+    for c in cases:
+        c.stream = True
+    return cases
+
+
+async def _run_while(model: Path, dep, cases: list[servekit.Case], during) -> tuple[list[dict], object]:
+    """Stream `cases` through the router; once tokens flow, run `during()` (in a thread)."""
+    async with httpx.AsyncClient(timeout=180) as client:
+        tasks = [asyncio.create_task(servekit.chat(client, dep.router_url, c.openai_body(model.name)))
+                 for c in cases]
+        await asyncio.sleep(0.2)  # requests under way (`during` may wait for decodes itself)
+        result = await asyncio.to_thread(during)
+        return await asyncio.gather(*tasks), result
+
+
+def _assert_exact(model: Path, cases: list[servekit.Case], results: list[dict]) -> None:
+    for case, res in zip(cases, results, strict=True):
+        assert res["status"] == 200 and res.get("error") is None, (case.index, res)
+        assert res["token_ids"] == servekit.expected_ids(model, case), case.index
+
+
+def _migrated_in(dep) -> int:
+    return sum(s["counters"].get("migrated_in", 0) for s in servekit.stats(dep).values() if "counters" in s)
+
+
+def _when_decoding(url: str, then):
+    """`then`, once the instance at `url` runs a request (a decode, for a D instance)."""
+    def run():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if httpx.get(f"{url}/admin/stats", timeout=10).json().get("num_running", 0):
+                break
+            time.sleep(0.02)
+        return then()
+    return run
+
+
+def _switch(dep, instance_id: str, role: str) -> dict:
+    r = httpx.post(f"{dep.router_url}/admin/role", json={"instance": instance_id, "role": role},
+                   headers={"authorization": f"Bearer {TOKEN}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_router_admin_api_refuses_bad_calls(epd4) -> None:
+    _, dep = epd4
+    url = f"{dep.router_url}/admin/role"
+    d = next(i for i in _instances(dep) if i["role"] == "D")
+    assert httpx.post(url, json={"instance": d["instance_id"], "role": "P"}).status_code == 401
+    wrong = {"authorization": "Bearer nope"}
+    assert httpx.post(url, json={"instance": d["instance_id"], "role": "P"}, headers=wrong).status_code == 403
+    ok = {"authorization": f"Bearer {TOKEN}"}
+    r = httpx.post(url, json={"instance": "no-such", "role": "P"}, headers=ok)
+    assert r.status_code == 404 and "no-such" in r.json()["error"]["message"]
+    assert httpx.post(url, json={"instance": d["instance_id"], "role": "XYZ"}, headers=ok).status_code == 400
+
+
+def _switch_a_busy_d(dep, role: str) -> dict:
+    """Switch whichever D instance runs decodes first (the router picks where they go)."""
+    ds = [i for i in _instances(dep) if i["role"] == "D"]
+    deadline = time.monotonic() + 60
+    busy = ds[0]
+    while time.monotonic() < deadline:
+        running = [i for i in ds if httpx.get(f"{i['url']}/admin/stats", timeout=10).json().get("num_running")]
+        if running:
+            busy = running[0]
+            break
+        time.sleep(0.02)
+    return _switch(dep, busy["instance_id"], role)
+
+
+def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
+    model, dep = epd4
+    cases = _cases(8, seed_base=3100)
+    taken_over = _migrated_in(dep)
+    results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch_a_busy_d(dep, "P")))
+    d = {"instance_id": report["instance"]}
+    print("D->P report:", report)
+    assert report["role"] == "P" and report["migrated"] >= 1
+    assert set(report) >= {"offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back"}
+    _assert_exact(model, cases, results)
+    assert _migrated_in(dep) - taken_over == report["migrated"]  # the other D went on with each
+    time.sleep(1.5)  # the router sees the new role at its next poll
+    cases = _cases(8, seed_base=3200)
+    results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch(dep, d["instance_id"], "D")))
+    print("P->D report:", report)
+    assert report["role"] == "D"
+    _assert_exact(model, cases, results)
+    _assert_no_leaks(_wait_idle(dep))
+
+
+def test_sigterm_hands_long_decodes_to_the_other_decode_instance(epd4) -> None:
+    model, dep = epd4
+    time.sleep(1.5)
+    d_ids = {i["instance_id"] for i in _instances(dep) if i["role"] == "D"}
+    assert len(d_ids) == 2
+    victim = next(w for w in dep.workers if "-D-" in w.name)
+    survivor = next(w for w in dep.workers if "-D-" in w.name and w is not victim)
+    cases = _cases(6, seed_base=3300)
+
+    def taken_over() -> int:
+        return httpx.get(f"{survivor.url}/admin/stats", timeout=10).json()["counters"]["migrated_in"]
+
+    before = taken_over()
+
+    def terminate() -> None:
+        os.killpg(victim.popen.pid, signal.SIGTERM)
+        victim.popen.wait(60)
+
+    results, _ = asyncio.run(_run_while(model, dep, cases, terminate))
+    _assert_exact(model, cases, results)
+    assert victim.popen.returncode is not None
+    assert taken_over() > before  # the victim's running decodes went on there, not waited for
+    dep.restart_worker(victim)
+
+
+def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
+    """Issue 9's must-show: 2E2P2D, 64 concurrent streams during each of D->P, P->D, E->D
+    and D->E in a row; every stream exact, none failed, nothing leaked."""
+    model = tiny_dir("qwen2-vl")
+    (tmp_path / "admin").write_text(TOKEN)
+    with servekit.start(model, "2E2P2D", tmp_path, router_args=["--admin-token-file", str(tmp_path / "admin")]) as dep:
+        by_role: dict[str, list[str]] = {}
+        for inst in _instances(dep):
+            by_role.setdefault(inst["role"], []).append(inst["instance_id"])
+        urls = {i["instance_id"]: i["url"] for i in _instances(dep)}
+        d0, p0, e0 = by_role["D"][0], by_role["P"][0], by_role["E"][0]
+        reports = {}
+        for n, (instance_id, role) in enumerate([(d0, "P"), (p0, "D"), (e0, "D"), (e0, "E")]):
+            cases = servekit.make_cases(64, max_tokens=100, seed_base=5000 + 100 * n)
+            decoding = n in (0, 3)  # D->P and D->E: switch once decodes run there
+
+            def switch(i: str = instance_id, r: str = role) -> dict:
+                return _switch(dep, i, r)
+
+            during = _when_decoding(urls[instance_id], switch) if n == 3 else switch
+            if n == 0:  # whichever D the router gave decodes to
+                def during(r: str = role) -> dict:
+                    return _switch_a_busy_d(dep, r)
+            results, report = asyncio.run(_run_while(model, dep, cases, during))
+            assert report["role"] == role
+            if decoding:
+                assert report["migrated"] >= 1, report
+            reports[f"{instance_id}->{role}"] = report
+            _assert_exact(model, cases, results)
+            time.sleep(1.5)
+        print("switch reports:", reports)
+        _assert_no_leaks(_wait_idle(dep))

@@ -1,0 +1,152 @@
+"""In-place role changes and decode migration at the engine level (EPDServe §3.2.4):
+a decode parked mid-stream and continued on another engine gives exactly the tokens of
+an uninterrupted run (greedy and seeded sampling, multimodal prompts), and set_role keeps
+what the new role shares (weights, the KV cache) and loads or frees only the rest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_cases import make_cases, processor, to_request
+
+from triptych.sampling_params import SamplingParams
+from triptych.topology import InstanceType, Stage
+from triptych.worker.engine import Engine, EngineConfig, PrefilledKV, RequestStatus
+from triptych.worker.engine.request import HANDED_BACK, FinishReason
+
+
+def _engine(model_dir: Path, role: InstanceType) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(model_dir),
+            role=role,
+            shuffle_seed=5,
+            num_kv_blocks=96,
+            num_mm_blocks=64,
+            mm_block_rows=8,
+        )
+    )
+
+
+def _steps_until(engine: Engine, req, num_outputs: int) -> None:
+    engine.add_request(req)
+    while len(req.output_token_ids) < num_outputs:
+        engine.step()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_decode_migrated_mid_stream_continues_exactly(qwen2_vl_dir: Path, temperature: float) -> None:
+    proc = processor(qwen2_vl_dir)
+    case = make_cases(4)[1]  # one image
+    params = SamplingParams(temperature=temperature, seed=77, max_tokens=12, ignore_eos=True)
+    src, dst = _engine(qwen2_vl_dir, InstanceType.EPD), _engine(qwen2_vl_dir, InstanceType.PD)
+    (whole,) = _engine(qwen2_vl_dir, InstanceType.EPD).generate_batch([to_request(proc, case, "w", params)])
+
+    req = to_request(proc, case, "x", params)
+    _steps_until(src, req, 5)
+    src.offload(migrate=True)
+    outs = src.step()
+    assert req.status == RequestStatus.PARKED
+    handoff = next(o.handoff for o in outs if o.handoff is not None)
+    assert handoff.stage == Stage.DECODE and handoff.generated + [handoff.first_token] == req.output_token_ids
+    assert handoff.num_kv_tokens == req.num_prompt_tokens + len(handoff.generated)
+    assert src.stats()["counters"]["migrated_out"] == 1
+
+    ids = dst.reserve_kv(handoff.num_kv_tokens)
+    dst.kv.tensor[torch.tensor(ids)] = src.kv.tensor[torch.tensor(handoff.kv_block_ids)]
+    cont = to_request(
+        proc,
+        case,
+        "x",
+        params,
+        stages={Stage.DECODE},
+        prefilled=PrefilledKV(
+            ids, handoff.num_kv_tokens, handoff.first_token, generated=list(handoff.generated)
+        ),
+    )
+    cont.images = {}
+    dst.generate_batch([cont])
+    src.release("x")
+    src.step()
+    assert cont.output_token_ids == whole.output_token_ids
+    assert cont.finish_reason == FinishReason.LENGTH and len(cont.output_token_ids) == 12
+    assert src.kv.num_used == 0 and dst.kv.num_used == 0
+    assert dst.stats()["counters"]["prefill_tokens"] == 0
+
+
+def test_offload_hands_back_queued_requests_only(qwen2_vl_dir: Path) -> None:
+    proc = processor(qwen2_vl_dir)
+    cases = make_cases(3)
+    e = _engine(qwen2_vl_dir, InstanceType.EPD)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    started = to_request(proc, cases[0], "a", params)
+    e.add_request(started)
+    e.step()  # admitted and (partly) prefilled
+    queued = to_request(proc, cases[2], "b", params)
+    e.add_request(queued)
+    e.offload(migrate=False)
+    outs = e.step()
+    back = [o for o in outs if o.request_id == "b"]
+    assert back and back[-1].finished and back[-1].error == HANDED_BACK
+    assert started.status != RequestStatus.FINISHED
+    assert e.stats()["counters"]["handed_back"] == 1
+
+
+def test_p_to_d_keeps_weights_and_kv_cache(qwen2_vl_dir: Path) -> None:
+    e = _engine(qwen2_vl_dir, InstanceType.P)
+    language, kv = e.language, e.kv
+    changed = e.set_role(InstanceType.D)
+    assert e.role == InstanceType.D and e.language is language and e.kv is kv
+    assert changed.loaded == [] and changed.freed == []
+    e.set_role(InstanceType.P)
+    assert e.language is language and e.kv is kv and e.mm is not None
+
+
+def test_e_to_d_loads_the_language_model_and_frees_the_vision_tower(qwen2_vl_dir: Path) -> None:
+    proc = processor(qwen2_vl_dir)
+    e = _engine(qwen2_vl_dir, InstanceType.E)
+    changed = e.set_role(InstanceType.PD)
+    assert changed.loaded == ["language", "kv_cache"] and changed.freed == ["vision"]
+    assert e.vision is None and e.language is not None and e.kv is not None
+    text_only = next(
+        to_request(
+            proc, c, "t", SamplingParams(temperature=0.0, max_tokens=3), stages={Stage.PREFILL, Stage.DECODE}
+        )
+        for c in make_cases(8)
+        if not c.images
+    )
+    (out,) = e.generate_batch([text_only])
+    assert len(out.output_token_ids) == 3
+    changed = e.set_role(InstanceType.E)
+    assert changed.loaded == ["vision"] and changed.freed == ["language", "kv_cache"] and e.kv is None
+
+
+def test_set_role_refuses_an_engine_with_requests(qwen2_vl_dir: Path) -> None:
+    proc = processor(qwen2_vl_dir)
+    e = _engine(qwen2_vl_dir, InstanceType.PD)
+    e.add_request(
+        next(
+            to_request(
+                proc,
+                c,
+                "t",
+                SamplingParams(temperature=0.0, max_tokens=3),
+                stages={Stage.PREFILL, Stage.DECODE},
+            )
+            for c in make_cases(8)
+            if not c.images
+        )
+    )
+    with pytest.raises(RuntimeError, match="idle engine"):
+        e.set_role(InstanceType.P)
+
+
+def test_a_switchable_d_to_p_allocates_nothing(qwen2_vl_dir: Path) -> None:
+    e = Engine(EngineConfig(model=str(qwen2_vl_dir), role=InstanceType.D, num_kv_blocks=32, num_mm_blocks=16,
+                            mm_block_rows=8, keep_mm_cache=True))
+    kv, mm = e.kv, e.mm
+    assert mm is not None
+    changed = e.set_role(InstanceType.P)
+    assert changed.loaded == [] and changed.freed == [] and e.kv is kv and e.mm is mm

@@ -1,0 +1,74 @@
+"""Changing an engine's role in place (EPDServe §3.2.4, onload): the weights and caches the
+new role shares with the old stay where they are; only a part the new role adds (the
+vision tower, the language model, a cache) is built, and one it drops is let go.
+
+P <-> D keeps the language model and the KV cache (D also keeps P's MM cache, and with
+`EngineConfig.keep_mm_cache` a D instance has one from the start: a switch to P then
+allocates and registers nothing); E <-> P/D loads or frees the language model
+and its KV cache, or the vision tower. The engine must hold no request: the instance
+offloads and migrates its work before it calls `Engine.set_role`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from triptych.topology import InstanceType, Stage
+from triptych.worker.engine.config import make_kv_cache, make_mm_cache
+
+if TYPE_CHECKING:
+    from triptych.worker.engine.engine import Engine
+
+
+@dataclass
+class PartsChanged:
+    """What a role change did to the engine's parts (the instance re-registers caches)."""
+
+    loaded: list[str]
+    freed: list[str]
+
+    @property
+    def caches_dropped(self) -> bool:
+        return any(p in ("kv_cache", "mm_cache") for p in self.freed)
+
+
+def needs_mm(role: InstanceType, keep_mm_cache: bool = False) -> bool:
+    """E and P instances hold an MM cache; with `keep_mm_cache` every LLM instance does."""
+    return role.runs(Stage.ENCODE) or role.runs(Stage.PREFILL) or (keep_mm_cache and role.needs_language)
+
+
+def change_parts(engine: Engine, role: InstanceType) -> PartsChanged:
+    """Load what `role` needs that `engine` lacks; drop what it no longer needs."""
+    from triptych.worker.models.loader import LoadedModel, load_model
+
+    model, cfg = engine.model, engine.config
+    want_vision = role.needs_vision and model.vision is None
+    want_language = role.needs_language and model.language is None
+    loaded: list[str] = []
+    freed: list[str] = []
+    vision, language = model.vision, model.language
+    if want_vision or want_language:
+        new = load_model(cfg.model, vision=want_vision, language=want_language, dtype=cfg.torch_dtype,
+                         device=cfg.device)
+        vision, language = vision or new.vision, language or new.language
+        loaded += ["vision"] * want_vision + ["language"] * want_language
+    if not role.needs_vision and vision is not None:
+        vision, freed = None, [*freed, "vision"]
+    if not role.needs_language and language is not None:
+        language, freed = None, [*freed, "language"]
+    engine.model = LoadedModel(model.spec, vision, language)
+    if language is not None and engine.kv is None:
+        engine.kv = make_kv_cache(cfg, engine.spec, engine.max_model_len)
+        loaded.append("kv_cache")
+    elif language is None and engine.kv is not None:
+        engine.kv = None
+        freed.append("kv_cache")
+    keep_mm = needs_mm(role, cfg.keep_mm_cache) or (engine.mm is not None and language is not None)
+    if needs_mm(role, cfg.keep_mm_cache) and engine.mm is None:
+        engine.mm = make_mm_cache(cfg, engine.spec, engine.max_model_len)
+        loaded.append("mm_cache")
+    elif not keep_mm and engine.mm is not None:
+        engine.mm = None
+        freed.append("mm_cache")
+    return PartsChanged(loaded, freed)
