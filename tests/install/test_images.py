@@ -11,6 +11,7 @@ import base64
 import io
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import time
@@ -164,7 +165,9 @@ def containers(images: dict[str, dict], tmp_path: Path) -> Iterator[tuple[str, l
     worker_port, router_port = free_port(), free_port()
     suffix = uuid.uuid4().hex[:8]
     names = [f"triptych-test-worker-{suffix}", f"triptych-test-router-{suffix}"]
+    token = secrets.token_urlsafe(24)  # the internal plane's token: worker and router share it
     docker("run", "-d", "--name", names[0], "--network", "host", "-v", f"{models}:/models",
+           "-e", f"TRIPTYCH_INTERNAL_TOKEN={token}",
            "--entrypoint", "sh", WORKER_TAG, "-c",
            "triptych make-tiny-model --family qwen2-vl --out /models/tiny && "
            f"exec triptych worker --model /models/tiny --role EPD --host 127.0.0.1 --port {worker_port}")
@@ -173,7 +176,8 @@ def containers(images: dict[str, dict], tmp_path: Path) -> Iterator[tuple[str, l
         while not (models / "tiny" / "config.json").exists():
             assert time.monotonic() < deadline, docker("logs", names[0], check=False).stderr[-3000:]
             time.sleep(1)
-        docker("run", "-d", "--name", names[1], "--network", "host", "-v", f"{models}:/models:ro", OPERATOR_TAG,
+        docker("run", "-d", "--name", names[1], "--network", "host", "-v", f"{models}:/models:ro",
+               "-e", f"TRIPTYCH_INTERNAL_TOKEN={token}", OPERATOR_TAG,
                "router", "--model", "/models/tiny", "--workers", f"http://127.0.0.1:{worker_port}",
                "--host", "127.0.0.1", "--port", str(router_port))
         url = f"http://127.0.0.1:{router_port}"
