@@ -20,6 +20,7 @@ from test_lifecycle import _assert_no_leaks, _wait_idle
 pytestmark = pytest.mark.slow
 
 TOKEN = "switch-admin-token"
+ADMIN = {"authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def epd4(tmp_path_factory: pytest.TempPathFactory):
     model = tiny_dir("qwen2-vl")
     tmp = tmp_path_factory.mktemp("switch")
     (tmp / "admin").write_text(TOKEN)
-    with servekit.start(model, "1E1P2D", tmp, router_args=["--admin-token-file", str(tmp / "admin")]) as dep:
+    with servekit.start(model, "1E1P2D", tmp, admin_token=TOKEN) as dep:
         yield model, dep
 
 
@@ -68,7 +69,7 @@ def _when_decoding(url: str, then):
     def run():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if httpx.get(f"{url}/admin/stats", timeout=10).json().get("num_running", 0):
+            if httpx.get(f"{url}/admin/stats", timeout=10, headers=ADMIN).json().get("num_running", 0):
                 break
             time.sleep(0.02)
         return then()
@@ -101,7 +102,7 @@ def _switch_a_busy_d(dep, role: str) -> dict:
     deadline = time.monotonic() + 60
     busy = ds[0]
     while time.monotonic() < deadline:
-        running = [i for i in ds if httpx.get(f"{i['url']}/admin/stats", timeout=10).json().get("num_running")]
+        running = [i for i in ds if httpx.get(f"{i['url']}/admin/stats", timeout=10, headers=ADMIN).json().get("num_running")]
         if running:
             busy = running[0]
             break
@@ -139,7 +140,7 @@ def test_sigterm_hands_long_decodes_to_the_other_decode_instance(epd4) -> None:
     cases = _cases(6, seed_base=3300)
 
     def taken_over() -> int:
-        return httpx.get(f"{survivor.url}/admin/stats", timeout=10).json()["counters"]["migrated_in"]
+        return httpx.get(f"{survivor.url}/admin/stats", timeout=10, headers=ADMIN).json()["counters"]["migrated_in"]
 
     before = taken_over()
 
@@ -159,7 +160,7 @@ def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
     and D->E in a row; every stream exact, none failed, nothing leaked."""
     model = tiny_dir("qwen2-vl")
     (tmp_path / "admin").write_text(TOKEN)
-    with servekit.start(model, "2E2P2D", tmp_path, router_args=["--admin-token-file", str(tmp_path / "admin")]) as dep:
+    with servekit.start(model, "2E2P2D", tmp_path, admin_token=TOKEN) as dep:
         by_role: dict[str, list[str]] = {}
         for inst in _instances(dep):
             by_role.setdefault(inst["role"], []).append(inst["instance_id"])
