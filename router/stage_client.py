@@ -98,6 +98,11 @@ class StageClient:
             outcome = "error"
             raise StageFailure(inst, f"{inst.url} timed out after {time.monotonic() - started:.1f}s",
                                status=504, stage=sreq.stages[0]) from exc
+        except httpx.ConnectError as exc:
+            # Nothing reached the instance (it is gone, e.g. exited after a drain): as safe to
+            # take elsewhere as a 503 refusal, the same hand-over included.
+            outcome = "error"
+            raise StageFailure(inst, f"{inst.url} unreachable: {exc}", status=503, stage=sreq.stages[0]) from exc
         except (httpx.TransportError, httpx.RemoteProtocolError) as exc:
             outcome = "error"
             raise StageFailure(inst, f"{inst.url} failed: {type(exc).__name__}: {exc}",
