@@ -82,8 +82,8 @@ def vision_inputs(vision: Any, max_pixels: int, items: Sequence[MMItem], images:
     out: dict[str, Any] = {}
     for item in items:
         h = item.content_hash
-        if h in out or h not in images:
-            continue
+        if h in out or h not in images or getattr(item, "kind", "image") == "video":
+            continue  # videos are decoded by the collaborative decoder (stage_run._decode_videos)
         image = decode_image(images[h], max_pixels)  # typed 400s for bad or too large images
         vin = vision.preprocess(image)
         if vin.num_tokens != item.length:
