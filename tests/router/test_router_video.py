@@ -17,7 +17,7 @@ from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
 from triptych.stage_protocol import MMItemSpec
 from triptych.worker.video import video_id
-from triptych.worker.video.synthetic import make_clip
+from triptych.worker.video.synthetic import audio_only_clip, make_clip
 
 
 @cache
@@ -68,23 +68,6 @@ async def test_cache_key_covers_the_sampling(client: httpx.AsyncClient, backend:
     assert video_id(clip()) not in keys
 
 
-def _audio_only() -> bytes:
-    import io
-
-    import av
-    import numpy as np
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="matroska") as container:
-        video = container.add_stream("mpeg4", rate=24)
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        audio = container.add_stream("aac", rate=16000)
-        audio.layout = "mono"
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
-        frame.sample_rate, frame.pts = 16000, 0
-        for packet in [*audio.encode(frame), *audio.encode()]:
-            container.mux(packet)
-    return buf.getvalue()
 
 
 @pytest.mark.parametrize(("case", "code"), [
@@ -107,7 +90,7 @@ async def test_bad_videos_are_400(case: str, code: str, config: RouterConfig, ba
         "too-long": (good, {"max_video_duration_s": 1.0}, "video/mp4"),
         "too-large-pixels": (good, {"max_video_frame_pixels": 64 * 32}, "video/mp4"),
         "too-large-bytes": (good, {"max_video_bytes": len(good) - 10}, "video/mp4"),
-        "zero-frames": (_audio_only(), {}, "video/x-matroska"),
+        "zero-frames": (audio_only_clip(), {}, "video/x-matroska"),
         "image-media-type": (good, {}, "image/png"),
     }[case]
     async with make_client(config.model_copy(update=limits), backend) as client:

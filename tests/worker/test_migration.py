@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from polling import wait_until
 from prometheus_client import REGISTRY
 
 from triptych.worker.migration import LeaseTable, pump_once, run_lease_pump
@@ -32,13 +33,6 @@ def expired_total(region: str) -> float:
     return REGISTRY.get_sample_value("triptych_worker_lease_expired_total", {"region": region}) or 0.0
 
 
-def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 def test_confirm_releases_exactly_once() -> None:

@@ -12,10 +12,11 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
+from polling import wait_until
 from prometheus_client import REGISTRY
 
 from triptych.worker.transfer import (
@@ -35,13 +36,6 @@ MM = RegionSpec((10, 4, 32), "bfloat16", seed=2)
 LOCAL_BLOCKS = 16
 
 
-def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 def sample(name: str, **labels: str) -> float:

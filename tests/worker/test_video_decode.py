@@ -11,6 +11,7 @@ from functools import cache
 import numpy as np
 import pytest
 
+from triptych.worker.video.synthetic import audio_only_clip
 from worker.video import decode as decode_module
 from worker.video.collaborative import CollaborativeDecoder, LocalSlot
 from worker.video.decode import DecodedSegment, DecoderUnavailableError, NvdecBackend, PyAVBackend
@@ -201,21 +202,6 @@ def test_timeout_cancels_the_queued_sets() -> None:
 # --- bad videos -----------------------------------------------------------------------
 
 
-def _audio_only_matroska() -> bytes:
-    """A container with a video stream that carries no packet (audio only)."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="matroska") as container:
-        video = container.add_stream("mpeg4", rate=24)
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        audio = container.add_stream("aac", rate=16000)
-        audio.layout = "mono"
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
-        frame.sample_rate, frame.pts = 16000, 0
-        for packet in [*audio.encode(frame), *audio.encode()]:
-            container.mux(packet)
-    return buf.getvalue()
 
 
 def _png() -> bytes:
@@ -248,7 +234,7 @@ def test_bad_videos_raise_typed_errors(case: str, error: type[VideoError], pool:
         "too-long-frames": (good, VideoLimits(max_frames=60)),
         "too-large-pixels": (good, VideoLimits(max_pixels=64 * 47)),
         "too-large-bytes": (good, VideoLimits(max_bytes=len(good) - 1)),
-        "zero-frames": (_audio_only_matroska(), None),
+        "zero-frames": (audio_only_clip(), None),
     }[case]
     with pytest.raises(error) as info:
         pool.decode(data, 2, limits=limits, timeout=30)

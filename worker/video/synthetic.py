@@ -58,3 +58,20 @@ def sequential_decode(data: bytes) -> np.ndarray:
 
     with av.open(io.BytesIO(data)) as container:
         return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+
+
+def audio_only_clip() -> bytes:
+    """A Matroska container whose video stream carries no packet (audio only): zero frames."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="matroska") as container:
+        video = container.add_stream("mpeg4", rate=24)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=16000)
+        audio.layout = "mono"
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+        frame.sample_rate, frame.pts = 16000, 0
+        for packet in [*audio.encode(frame), *audio.encode()]:
+            container.mux(packet)
+    return buf.getvalue()
