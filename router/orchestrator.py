@@ -68,7 +68,11 @@ class OrchestratorConfig:
     max_inflight: int = 512  # requests in flight before new ones get 429
     max_instance_load: float | None = None  # 429 when every first-stage instance reports more queued work
     retry_after_s: float = 1.0
-    max_decode_hops: int = 8  # instances one decode may pass through (refusals, migrations)
+    max_decode_hops: int = 8  # times one decode may migrate to another instance
+    # With a KV in hand (its source holds it under a lease) and no decode instance taking
+    # it — all switching, refusing, or unseen by the registry for a moment — wait this
+    # long for one before failing the request.
+    decode_wait_s: float = 10.0
 
 
 @dataclass
@@ -258,17 +262,15 @@ class Orchestrator:
         instance that refuses before its first event (503: switching, draining, full) is
         passed over for another with the same KV; one that migrates the decode on hands a
         new KV, and the stream goes on there. Tokens append to the same client stream."""
-        excluded = set(exclude or ())
-        target, request_id = first, req.request_id
-        for hop_no in range(1, self.config.max_decode_hops + 1):
+        excluded = set(exclude or ())  # instances the decode left: never back there
+        refused: set[str] = set()  # 503s: passed over, tried again once nothing else takes it
+        target, request_id, attempt, moves = first, req.request_id, 0, 0
+        deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
+        while True:
+            attempt += 1
             if target is None:
-                candidates = self.registry.capable(Stage.DECODE, excluded)
-                if not candidates:
-                    self._decide(Stage.DECODE, "no_instance")
-                    raise BackendError(503, "no decode instance to continue the request on",
-                                       retry_after=self.config.retry_after_s)
-                target = self.chooser.choose(Stage.DECODE, candidates)
-                request_id = f"{req.request_id}.d{hop_no}"  # the old instance may still hold the old id
+                target = await self._decode_target(excluded, refused, deadline)
+                request_id = f"{req.request_id}.d{attempt}"  # the old instance may still hold the old id
                 footprint.ids.append(request_id)
             footprint.urls.add(target.url)
             sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
@@ -292,16 +294,37 @@ class Orchestrator:
                 log.info("request %s: %s refused the decode (%s); trying another", req.request_id,
                          target.url, failure)
                 self._decide(Stage.DECODE, "retried")
+                refused.add(target.url)
             else:
                 if migrated is None:
                     raise StageFailure(target, f"{target.url} ended the decode without finishing it",
                                        stage=Stage.DECODE)
+                moves += 1
+                if moves > self.config.max_decode_hops:
+                    raise StageFailure(target, f"decode moved more than {self.config.max_decode_hops} times",
+                                       stage=Stage.DECODE)
                 kv = migrated
+                excluded.add(target.url)
+                deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
                 log.info("request %s: decode migrated off %s", req.request_id, target.url)
-            excluded.add(target.url)
             target = None
-        raise StageFailure(first or Instance(url="?"), f"decode moved more than {self.config.max_decode_hops} times",
-                           stage=Stage.DECODE)
+
+    async def _decode_target(self, excluded: set[str], refused: set[str], deadline: float) -> Instance:
+        """A decode instance for a KV in hand: one that has not refused it, else (after a
+        pause) one that refused it before — a switch or a full queue passes. Until
+        `deadline`, waiting is safe: the KV's source holds it under its lease."""
+        loop, pause = asyncio.get_running_loop(), 0.02
+        while True:
+            candidates = self.registry.capable(Stage.DECODE, excluded | refused)
+            if candidates:
+                return self.chooser.choose(Stage.DECODE, candidates)
+            if loop.time() + pause > deadline:
+                self._decide(Stage.DECODE, "no_instance")
+                raise BackendError(503, "no decode instance to continue the request on",
+                                   retry_after=self.config.retry_after_s)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.5)
+            refused.clear()
 
     async def _encode_only(self, req: GenerationRequest, run: EncodeRun, images: dict[str, str],
                            mm_items: list[MMItemSpec], footprint: Footprint) -> list[MMSource]:

@@ -129,6 +129,24 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_lazy("triptych.bench.idle_cpu:cli_main"))
     _add_bench_video(bsub)
+    _add_bench_switch(bsub)
+
+
+def _add_bench_switch(bsub: argparse._SubParsersAction) -> None:
+    w = bsub.add_parser("switch", help="role switch times (POST /admin/role) idle and under streams")
+    w.add_argument("--topology", default="2E2P2D")
+    w.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    w.add_argument("--concurrency", type=int, default=16, help="streams running during each loaded switch")
+    w.add_argument("--output-len", type=int, default=64, help="tokens per request (ignore_eos)")
+    w.add_argument("--images", type=int, default=1, help="images per request")
+    w.add_argument("--min-running", type=int, default=2,
+                   help="a D->X switch waits until the instance runs this many decodes")
+    w.add_argument("--switch-after", type=float, default=0.3, help="seconds into the load before other switches")
+    w.add_argument("--settle", type=float, default=1.5, help="seconds between switches (router poll)")
+    w.add_argument("--instance-cpus", type=_cpus, default=None, metavar="X", help="cap every instance at X CPUs")
+    w.add_argument("--request-timeout", type=float, default=180.0)
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(func=_lazy("triptych.bench.switch:cli_main"))
 
 
 def _add_bench_video(bsub: argparse._SubParsersAction) -> None:

@@ -23,6 +23,13 @@ from triptych.topology import Stage
 
 Handle = dict[str, Any]  # a serialised transfer BlockHandle; opaque outside the worker
 
+# Keep-alive: the router closes an idle connection to a worker well before the worker
+# would. Were the two equal (httpx and uvicorn both default to 5 s), the router could send
+# a stage call on a connection the worker is closing that instant, and the hop would fail
+# with an empty ReadError although the worker is healthy.
+ROUTER_KEEPALIVE_EXPIRY_S = 30.0
+WORKER_KEEPALIVE_TIMEOUT_S = 75
+
 
 class VideoOptions(BaseModel):
     """How the router sampled and sized a video (vLLM-style `mm_processor_kwargs`, resolved

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
-from triptych.stage_protocol import RoleSwitch, StageRequest
+from triptych.stage_protocol import WORKER_KEEPALIVE_TIMEOUT_S, RoleSwitch, StageRequest
 from triptych.topology import UNASSIGNED, InstanceType
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.engine.request import RequestValidationError
@@ -192,6 +192,6 @@ def cli_main(args: argparse.Namespace) -> int:
         log.warning("--insecure-no-auth: /internal and /admin are open to anyone who can connect")
     app = create_app(settings, auth)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=30, timeout_keep_alive=WORKER_KEEPALIVE_TIMEOUT_S)
     DrainingServer(config, app.state.instance).run()
     return 0

@@ -5,11 +5,14 @@ event is passed over for another with the same KV. Against fake workers (fakewor
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from fakeworkers import FakeCluster, collect, expected_tokens, request, status
 
 from triptych.router.backend import BackendError
 from triptych.stage_protocol import KVSource, MigratingEvent
+from triptych.topology import Stage
 
 
 def migrate_after(count: int):
@@ -48,5 +51,34 @@ async def test_a_migration_with_no_decode_instance_left_ends_the_request():
     async with FakeCluster("1P1D") as cluster:
         cluster["d0"].script(migrate_after(2))
         with pytest.raises(BackendError) as err:
-            await collect(cluster.orchestrator(), request(max_tokens=8))
+            await collect(cluster.orchestrator(decode_wait_s=0.3), request(max_tokens=8))
         assert err.value.status_code == 503
+
+
+async def test_the_only_decode_instance_refusing_for_a_while_is_waited_for():
+    """A switch or a full queue ends: with the KV held under its lease, the router tries
+    the refusing instance again after a pause instead of failing a started stream."""
+    async with FakeCluster("1P1D") as cluster:
+        cluster["d0"].script(status(503), status(503))
+        tokens, finish = await collect(cluster.orchestrator(decode_wait_s=5.0), request(max_tokens=6))
+        assert tokens == expected_tokens(request(max_tokens=6)) and finish == "length"
+        assert [r.id for r in cluster["d0"].runs] == ["req", "req.d2", "req.d3"]
+        assert len({r.request.kv_source.model_dump_json() for r in cluster["d0"].runs}) == 1  # the same KV
+        assert len(cluster["p0"].runs) == 1  # no new prefill
+
+
+async def test_a_decode_instance_the_registry_lost_for_a_moment_is_waited_for():
+    """Under load a /health probe can time out and take the only D out of the registry
+    for a moment; a stream with its KV in hand waits for it to come back."""
+    async with FakeCluster("1P1D") as cluster:
+        d0 = next(i for i in cluster.registry.instances.values() if i.can_run(Stage.DECODE))
+
+        def vanish(sreq, normal) -> int:  # refused, and gone from the registry for 0.3 s
+            d0.ready = False
+            asyncio.get_running_loop().call_later(0.3, setattr, d0, "ready", True)
+            return 503
+
+        cluster["d0"].script(vanish)
+        tokens, _ = await collect(cluster.orchestrator(decode_wait_s=5.0), request(max_tokens=6))
+        assert tokens == expected_tokens(request(max_tokens=6))
+        assert [r.id for r in cluster["d0"].runs] == ["req", "req.d2"]
