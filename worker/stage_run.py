@@ -69,7 +69,8 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
             prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token,
                                     generated=list(src.generated))
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
-                      images=images, stages=frozenset(sreq.stages), prefilled=prefilled)
+                      images=images, stages=frozenset(sreq.stages), prefilled=prefilled,
+                      grammar=sreq.grammar)
         req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
         await _decode_videos(inst, sreq, req)
     except BaseException:
