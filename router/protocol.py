@@ -124,7 +124,7 @@ class StreamOptions(_Strict):
 
 class JsonSchemaFormat(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = "response"
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None  # the grammar gives exactly the schema either way

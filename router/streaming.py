@@ -229,6 +229,8 @@ async def collect(job: Job, pump: EventPump) -> dict[str, Any]:
         body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, usage=_usage(job),
                                   choices=[{"text": content, "finish_reason": finish}])
     data = body.model_dump()
+    if job.chat and data["choices"][0]["message"]["tool_calls"] is None:
+        del data["choices"][0]["message"]["tool_calls"]  # as OpenAI: no key when there is no call
     if job.return_token_ids:
         data["choices"][0]["token_ids"] = token_ids
     return data

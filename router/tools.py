@@ -204,6 +204,7 @@ class ToolCallStream:
             if call is None:  # not a call: its text is content
                 content.append(self._emit(self._held[:end + len(CLOSE)]))
             else:
+                content.append(self._emit(self._held[:start]))
                 self.calls.append(call)
                 new.append(call)
             self._held = self._held[end + len(CLOSE):]
