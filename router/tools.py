@@ -100,11 +100,16 @@ def _call_text(call: Any) -> str:
     return f"{OPEN}\n{body}\n{CLOSE}"
 
 
-def _text_of(msg: ChatMessage) -> str:
+def _text_of(msg: ChatMessage, index: int) -> str:
+    """The text of a message rendered as Hermes text (images would be lost: a 400)."""
     if msg.content is None:
         return ""
     if isinstance(msg.content, str):
         return msg.content
+    for j, part in enumerate(msg.content):
+        if not isinstance(part, TextPart):
+            raise InvalidRequestError(f"messages[{index}]: a {msg.role} message rendered with tools may hold "
+                                      "text parts only", param=f"messages[{index}].content[{j}]")
     return "".join(p.text for p in msg.content if isinstance(p, TextPart))
 
 
@@ -114,24 +119,26 @@ def render_messages(messages: list[ChatMessage], tools: list[ToolDef] | None) ->
     if not tools and not any(m.role == "tool" or m.tool_calls for m in messages):
         return messages
     out: list[ChatMessage] = []
+    start = 0
     if tools:
         first = messages[0]
         if first.role in ("system", "developer"):
-            sys_text = _text_of(first) + "\n\n" + _tools_text(tools)
-            messages = messages[1:]
+            sys_text = _text_of(first, 0) + "\n\n" + _tools_text(tools)
+            start = 1
         else:
             sys_text = DEFAULT_SYSTEM + "\n\n" + _tools_text(tools)
         out.append(ChatMessage(role="system", content=sys_text))
     responses: list[str] = []
-    for msg in messages:
+    for i, msg in enumerate(messages[start:], start):
         if msg.role == "tool":  # consecutive results go in one user turn, as Qwen2.5 does
-            responses.append(f"<tool_response>\n{_text_of(msg)}\n</tool_response>")
+            responses.append(f"<tool_response>\n{_text_of(msg, i)}\n</tool_response>")
             continue
         if responses:
             out.append(ChatMessage(role="user", content="\n".join(responses)))
             responses = []
         if msg.role == "assistant" and msg.tool_calls:
-            parts = ([_text_of(msg)] if _text_of(msg) else []) + [_call_text(c) for c in msg.tool_calls]
+            text = _text_of(msg, i)
+            parts = ([text] if text else []) + [_call_text(c) for c in msg.tool_calls]
             out.append(ChatMessage(role="assistant", content="\n".join(parts)))
         else:
             out.append(msg)

@@ -119,3 +119,12 @@ async def test_response_format_grammar_reaches_the_backend(config, processor) ->
     assert all(g is not None and '"integer"' in g for g in (grammars[0], grammars[2]))
     assert grammars[1] is not None and '"object"' in grammars[1]
     assert grammars[3] is None
+
+
+async def test_tool_message_with_an_image_is_400(config, processor, backend) -> None:
+    client = client_for(config, backend, processor)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    msgs = [{"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "c", "content": [image]}]
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(model="tiny-qwen", messages=msgs, tools=[TOOL])
+    assert bad.value.body["param"] == "messages[1].content[0]" and backend.requests == []

@@ -39,7 +39,7 @@ class GuideTokenizer:
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
-        self._json = tokenizer_json.read_text()
+        self._path = tokenizer_json
         self._eos = sorted(eos_ids)
         self._tok: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
@@ -48,7 +48,9 @@ class GuideTokenizer:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:  # admission runs in callers' threads
             if self._tok is None:
-                self._tok = llguidance.LLTokenizer(self._json, n_vocab=self.vocab_size,
+                if not self._path.is_file():
+                    raise GrammarError("guided decoding needs the checkpoint's tokenizer.json")
+                self._tok = llguidance.LLTokenizer(self._path.read_text(), n_vocab=self.vocab_size,
                                                    eos_token=self._eos or None)
             return self._tok
 
