@@ -161,8 +161,8 @@ class Admission:
     def _prepare_guide(self, req: Request) -> None:
         """The request's grammar matcher, on every instance that samples for it; a decode
         that takes over replays the tokens sampled before it (guided.py)."""
-        if req.grammar is None or not self.has_language or req.stop_after == Stage.ENCODE:
-            return
+        if req.grammar is None or req.guide is not None or not self.has_language or req.stop_after == Stage.ENCODE:
+            return  # no grammar, or the serving layer built the matcher already (off the event loop)
         pre = req.prefilled
         replay = [*pre.generated, pre.first_token] if pre is not None else []
         req.guide = self.guides.matcher(req.grammar, replay)

@@ -58,12 +58,12 @@ class GuideTokenizer:
         """A matcher for `grammar` that has consumed `replay` (tokens sampled elsewhere)."""
         m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if m.is_error():
-            raise GrammarError(f"the grammar does not compile: {m.get_error()}")
+            raise GrammarError(f"the grammar does not compile: {_first_line(m.get_error())}")
         guide = Guide(m, self.vocab_size)
         for token in replay:
             if not guide.advance(token):
                 raise GrammarError(f"token {token} sampled earlier is not accepted by the grammar: "
-                                   f"{m.get_error()}")
+                                   f"{_first_line(m.get_error())}")
         return guide
 
 
@@ -82,7 +82,7 @@ class Guide:
 
     @property
     def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        return _first_line(self.matcher.get_error()) if self.matcher.is_error() else None
 
     def advance(self, token: int) -> bool:
         ok = bool(self.matcher.consume_token(token))
@@ -96,6 +96,11 @@ class Guide:
         out = torch.zeros(self.vocab_size, dtype=torch.bool)
         out[: allowed.shape[0]] = torch.from_numpy(allowed.astype(bool))
         return out
+
+
+def _first_line(error: str) -> str:
+    """llguidance's error without the parser state dump that follows it."""
+    return error.strip().splitlines()[0] if error.strip() else "unknown grammar error"
 
 
 def mask_logits(logits: torch.Tensor, guides: Sequence[Guide | None]) -> torch.Tensor:
