@@ -225,7 +225,8 @@ class Orchestrator:
                 request_id=req.request_id, stages=list(hop.stages), prompt_token_ids=req.prompt_token_ids,
                 mm_items=mm_items, images={h: images[h] for h in hop.images},
                 mm_sources=mm_sources if Stage.PREFILL in hop.stages else [],
-                kv_source=kv_source, sampling=req.sampling, timeout_s=self._deadline(hop.stages, req),
+                kv_source=kv_source, sampling=req.sampling, grammar=req.grammar,
+                timeout_s=self._deadline(hop.stages, req),
             )
             footprint.urls.add(hop.instance.url)
             kv_source = migrated = None
@@ -274,7 +275,7 @@ class Orchestrator:
                 footprint.ids.append(request_id)
             footprint.urls.add(target.url)
             sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
-                                mm_items=mm_items, kv_source=kv, sampling=req.sampling,
+                                mm_items=mm_items, kv_source=kv, sampling=req.sampling, grammar=req.grammar,
                                 timeout_s=self._deadline([Stage.DECODE], req))
             received, migrated = False, None
             try:

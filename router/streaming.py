@@ -29,6 +29,7 @@ from triptych.router.backend import BackendError
 from triptych.router.errors import OpenAIError, from_backend
 from triptych.router.metrics import FrontendMetrics, RequestTimer
 from triptych.router.protocol import ChatCompletionResponse, CompletionResponse
+from triptych.router.tools import ToolCallStream, parse_tool_calls
 from triptych.stop_strings import StopMatcher
 
 log = logging.getLogger("triptych.router.streaming")
@@ -169,6 +170,7 @@ class Job:
     metrics: FrontendMetrics
     timer: RequestTimer = field(default_factory=RequestTimer)
     return_token_ids: bool = False
+    parse_tools: bool = False  # chat with tools: `<tool_call>` blocks become tool_calls (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -211,15 +213,24 @@ async def collect(job: Job, pump: EventPump) -> dict[str, Any]:
     finally:
         await pump.close()
     _finished(job)
-    content = "".join(text)
+    content: str | None = "".join(text)
     if job.chat:
+        calls: list[dict[str, Any]] = []
+        if job.parse_tools:
+            content, calls = parse_tool_calls(content or "")
+            if calls and finish == "stop":
+                finish = "tool_calls"
+            for call in calls:
+                del call["index"]  # a message's calls carry no index (deltas do)
         body: Any = ChatCompletionResponse(
             id=job.request_id, created=job.created, model=job.model, usage=_usage(job),
-            choices=[{"message": {"content": content}, "finish_reason": finish}])
+            choices=[{"message": {"content": content, "tool_calls": calls or None}, "finish_reason": finish}])
     else:
         body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, usage=_usage(job),
                                   choices=[{"text": content, "finish_reason": finish}])
     data = body.model_dump()
+    if job.chat and data["choices"][0]["message"]["tool_calls"] is None:
+        del data["choices"][0]["message"]["tool_calls"]  # as OpenAI: no key when there is no call
     if job.return_token_ids:
         data["choices"][0]["token_ids"] = token_ids
     return data
@@ -231,12 +242,14 @@ def _finished(job: Job) -> None:
 
 
 def _chunk(job: Job, text: str | None, finish: str | None, include_usage: bool,
-           role: bool = False, usage: dict[str, int] | None = None, ids: list[int] | None = None
-           ) -> dict[str, Any]:
+           role: bool = False, usage: dict[str, int] | None = None, ids: list[int] | None = None,
+           tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     if job.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
@@ -262,8 +275,20 @@ async def sse_body(job: Job, pump: EventPump, scope: dict[str, Any], include_usa
     try:
         if job.chat:
             yield sse(_chunk(job, "", None, include_usage, role=True, usage=usage_now()))
+        calls = ToolCallStream() if job.chat and job.parse_tools else None
         async for piece, finish, ids in _pieces(job, pump):
-            yield sse(_chunk(job, piece, finish, include_usage, usage=usage_now(), ids=ids))
+            new_calls: list[dict[str, Any]] = []
+            if calls is not None:
+                piece, new_calls = calls.feed(piece)
+                if finish is not None:
+                    piece += calls.finish()
+                    if calls.calls and finish == "stop":
+                        finish = "tool_calls"
+            if calls is not None and not piece and not new_calls and finish is None \
+                    and not (ids and job.return_token_ids):
+                continue  # held back: maybe the start of a tool call
+            yield sse(_chunk(job, piece, finish, include_usage, usage=usage_now(), ids=ids,
+                             tool_calls=new_calls))
         await pump.close()
         _finished(job)
         if include_usage:

@@ -112,6 +112,10 @@ class StageRequest(BaseModel):
     mm_sources: list[MMSource] = []
     kv_source: KVSource | None = None
     sampling: SamplingParams = SamplingParams()
+    # An llguidance grammar (JSON or Lark text; structured output, forced tool calls): every
+    # instance that samples for the request masks with it, a decode that takes over replays
+    # the tokens sampled before it (worker/engine/guided.py).
+    grammar: str | None = None
     timeout_s: float = Field(default=300.0, gt=0)
 
 

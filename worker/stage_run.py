@@ -69,9 +69,11 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
             prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token,
                                     generated=list(src.generated))
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
-                      images=images, stages=frozenset(sreq.stages), prefilled=prefilled)
+                      images=images, stages=frozenset(sreq.stages), prefilled=prefilled,
+                      grammar=sreq.grammar)
         req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
         await _decode_videos(inst, sreq, req)
+        await _build_guide(engine, req)
     except BaseException:
         migration.release_embeddings(reserved)
         if prefilled is not None:
@@ -91,6 +93,18 @@ async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request
         h = item.content_hash
         if item.kind == "video" and h in req.images and h not in req.vision_inputs:
             req.vision_inputs[h] = await asyncio.to_thread(videos.prepare, req.images[h], item)
+
+
+async def _build_guide(engine: Any, req: Request) -> None:
+    """Compile the request's grammar (and the tokenizer index, once) in a worker thread: a
+    large schema takes a while, and the event loop serves every other stream meanwhile.
+    Admission finds the matcher ready; a grammar error is a 400 (guided.GrammarError)."""
+    if req.grammar is None or engine.language is None or Stage.DECODE not in req.stages \
+            and Stage.PREFILL not in req.stages:
+        return
+    pre = req.prefilled
+    replay = [*pre.generated, pre.first_token] if pre is not None else []
+    req.guide = await asyncio.to_thread(engine.admission.guides.matcher, req.grammar, replay)
 
 
 def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int) -> list[BaseModel]:

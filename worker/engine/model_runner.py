@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from triptych.worker.attention import build_metadata
+from triptych.worker.engine.guided import mask_logits
 from triptych.worker.engine.kv_cache import KVCache
 from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.request import Request
@@ -85,6 +86,8 @@ class ModelRunner:
         if not rows:
             return {}
         logits = self.language.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        # Grammars (structured output, forced tool calls) mask before any sampling rule.
+        logits = mask_logits(logits, [c.req.guide for c in sampling])
         result = sample(logits, [SampleRow(c.req.params, c.req.seed, len(c.req.output_token_ids))
                                  for c in sampling])
         return {id(c.req): (tok, lp) for c, tok, lp in zip(sampling, result.token_ids, result.logprobs,

@@ -177,6 +177,8 @@ class Request:
     images: Mapping[str, Any] = field(default_factory=dict)
     stages: frozenset[Stage] = ALL_STAGES
     prefilled: PrefilledKV | None = None
+    # An llguidance grammar (guided.py) that masks every token sampled for the request.
+    grammar: str | None = None
 
     # --- runtime state, owned by the engine -------------------------------------------
     status: RequestStatus = field(default=RequestStatus.WAITING_PREFILL, init=False)
@@ -206,6 +208,7 @@ class Request:
     decode_text: Callable[[list[int]], str] | None = field(default=None, init=False)
     logprobs: list[dict[str, Any]] = field(default_factory=list, init=False)
     sent_logprobs_len: int = field(default=0, init=False)
+    guide: Any = field(default=None, init=False)  # guided.Guide, built at admission from `grammar`
 
     def __post_init__(self) -> None:
         self.stages = frozenset(Stage(s) for s in self.stages)
