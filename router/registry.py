@@ -29,6 +29,9 @@ class Instance:
     instance_id: str = ""
     inflight: int = 0  # requests this router has on it now
     switching_to: str | None = None  # the role it is switching to (offload -> migrate -> onload)
+    # Bumped when a switch starts or ends: a probe answered across that moment describes the
+    # instance as it was and is dropped (a slow answer must not put back the old role).
+    epoch: int = 0
 
     def can_run(self, stage: Stage) -> bool:
         return self.ready and not self.draining and self.role is not None and self.role.runs(stage)
@@ -68,9 +71,12 @@ class Registry:
         await self._probe(client, inst)
 
     async def _probe(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        epoch = inst.epoch
         try:
             resp = await client.get(f"{inst.url}/health", timeout=self.timeout_s)
             body = resp.json()
+            if inst.epoch != epoch:
+                return
             role = body.get("role")
             inst.role = InstanceType(role) if role in InstanceType.__members__ else None
             inst.ready = resp.status_code == 200 and body.get("status") == "ok"
@@ -80,6 +86,8 @@ class Registry:
             inst.instance_id = str(body.get("instance_id", ""))
             inst.failures = 0
         except (httpx.HTTPError, ValueError) as exc:
+            if inst.epoch != epoch:
+                return
             inst.failures += 1
             inst.ready = False
             log.debug("health probe of %s failed: %s", inst.url, exc)
@@ -94,6 +102,7 @@ class Registry:
         if inst is not None:
             inst.switching_to = role
             inst.ready = inst.ready and role is None
+            inst.epoch += 1
 
     def mark_failed(self, url: str) -> None:
         """Take an instance out of rotation until its next successful probe."""

@@ -179,7 +179,10 @@ def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
     and D->E in a row; every stream exact, none failed, nothing leaked."""
     model = tiny_dir("qwen2-vl")
     (tmp_path / "admin").write_text(TOKEN)
-    with servekit.start(model, "2E2P2D", tmp_path, admin_token=TOKEN) as dep:
+    # Leases as in test_lifecycle's 64-stream fixture: on a loaded 2-core machine a D that
+    # takes over every stream can need longer than the default to pull each hand-off.
+    with servekit.start(model, "2E2P2D", tmp_path, admin_token=TOKEN,
+                        worker_args=["--lease-seconds", "30"]) as dep:
         by_role: dict[str, list[str]] = {}
         for inst in _instances(dep):
             by_role.setdefault(inst["role"], []).append(inst["instance_id"])
