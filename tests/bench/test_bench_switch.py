@@ -12,14 +12,14 @@ from triptych.bench.switch import added_gaps
 from triptych.cli import main
 
 
-def test_added_gaps_counts_the_pause_in_median_gaps() -> None:
-    steady = RequestResult(ttft=0.1, e2e=1.0, gaps=[0.01] * 20, num_tokens=21)
+def test_added_gaps_counts_the_pause_in_mean_gaps() -> None:
+    steady = RequestResult(ttft=0.1, e2e=0.3, gaps=[0.01] * 20, num_tokens=21)
     assert added_gaps(steady) == pytest.approx(0.0)
-    paused = RequestResult(ttft=0.1, e2e=1.0, gaps=[0.01] * 20 + [0.04], num_tokens=22)
-    assert added_gaps(paused) == pytest.approx(3.0)  # one 40 ms gap: three gaps more than usual
-    together = RequestResult(ttft=0.1, e2e=1.0, gaps=[0.01, 0.0, 0.01, 0.0, 0.01, 0.01, 0.02], num_tokens=8)
-    assert added_gaps(together) == pytest.approx(1.0)  # tokens that arrived together count once
+    # 20 gaps of 10 ms and one of 220 ms: TPOT 20 ms, the pause 10 TPOTs more than usual
+    paused = RequestResult(ttft=0.1, e2e=0.1 + 0.2 + 0.22, gaps=[0.01] * 20 + [0.22], num_tokens=22)
+    assert added_gaps(paused) == pytest.approx(10.0)
     assert added_gaps(RequestResult(ttft=0.1, e2e=0.2, gaps=[0.01, 0.02], num_tokens=3)) is None
+    assert added_gaps(RequestResult(error="HTTP 503")) is None
 
 
 @pytest.mark.slow
