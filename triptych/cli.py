@@ -148,7 +148,8 @@ def _add_bench_video(bsub: argparse._SubParsersAction) -> None:
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="run one engine instance (FastAPI)")
+    p = sub.add_parser("worker", help="run one engine instance (FastAPI); --role V: a video decoder "
+                                      "instance (no model weights)")
     p.add_argument("--model", required=True)
     p.add_argument("--role", choices=ROLE_CHOICES, default="unassigned")
     p.add_argument("--host", default="127.0.0.1")
@@ -176,7 +177,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
                    help="file holding the admin token (else TRIPTYCH_ADMIN_TOKEN): /admin/* needs it")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="start without an internal token: /internal and /admin open to anyone (local tests only)")
-    p.set_defaults(func=_lazy("triptych.worker.server:cli_main"))
+    p.set_defaults(func=_lazy("triptych.worker.launch:cli_main"))
 
 
 def _add_router(sub: argparse._SubParsersAction) -> None:
