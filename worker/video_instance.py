@@ -15,7 +15,7 @@ the blocks are then freed (or at the lease's expiry, or when the router aborts).
 Endpoints: `PUT /internal/video/{video_id}` (bytes; hash checked), `POST
 /internal/video/segment` (a `VideoSegmentRequest` -> a `VideoPart`), `POST
 /internal/abort/{request_id}`; `/live`, `/ready`, `/health`, `/metrics`, `/admin/stats`.
-A V instance does not switch roles (`/admin/role` is a 409).
+A V instance does not switch roles (`/admin/role` to anything but V is a 409).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from triptych.processor import ProcessorError
-from triptych.stage_protocol import VideoPart, VideoSegmentRequest
+from triptych.stage_protocol import RoleSwitch, VideoPart, VideoSegmentRequest
 from triptych.video_processing import VideoProcessorConfig, preprocess_frames
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.migration import LeaseTable, run_lease_pump
@@ -174,7 +174,10 @@ def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         return holder["v"].stats()
 
     @app.post("/admin/role")
-    async def admin_role() -> JSONResponse:
+    async def admin_role(body: RoleSwitch) -> JSONResponse:
+        # The operator "assigns" V to a V pod like any role (then labels the pod); it is one already.
+        if body.role == "V":
+            return JSONResponse({"role": "V", "status": "ok"})
         return _error(409, "a V instance decodes video only; it does not switch roles", "role_fixed")
 
     @app.put("/internal/video/{vid}")
