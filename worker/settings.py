@@ -75,4 +75,5 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "instance_id": args.instance_id or f"{args.role}-{args.port}", "device": args.device,
         "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
-        "pull_timeout_s": min(20.0, args.lease_seconds * 0.66)})
+        "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
+        "decode_threads": getattr(args, "decode_threads", 2)})
