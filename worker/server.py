@@ -101,6 +101,9 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         if body.role != UNASSIGNED and body.role not in InstanceType.__members__:
             return _error(400, f"unknown role {body.role!r}; expected one of "
                                f"{', '.join(t.value for t in InstanceType)} or {UNASSIGNED}")
+        if body.role == InstanceType.V.value:  # a video decoder is its own process (no engine)
+            return _error(409, "V (video decode) is not a role an engine instance switches to; start a "
+                               "worker with --role V")
         try:
             report = await inst.switch(body.role)
         except Exception as exc:  # a failed load leaves the instance unassigned, and says why
