@@ -83,3 +83,23 @@ def test_v_pods_get_role_v() -> None:
     assert sorted((c.pod, c.new) for c in plan.changes) == [("v-01", InstanceType.V), ("v-02", InstanceType.V)]
     settled = [WorkerPod(name=p.name, role=InstanceType.V, ready=True, ip=p.ip, created=p.created) for p in pods]
     assert plan_pool({InstanceType.V: 2}, settled).settled
+
+
+async def test_operator_labels_v_pods_and_reports_them_ready(env) -> None:
+    """Real kopf against the fake cluster: the V pool's pods get role V (the worker accepts V
+    on /admin/role, or already serves it), are labelled, and count as ready V instances."""
+    from kube_harness import wait_for
+    from test_op_integration import settle
+
+    from triptych.kube import names
+
+    port = env.cluster.worker_port
+    env.start_operator()
+    pools = [{"name": "cpu", "port": port}, {"name": "dec", "instanceTypes": ["V"], "port": port}]
+    await env.cluster.create_mllm("demo", _spec({"V": 2, "E": 1, "P": 1, "D": 1}, pools=pools))
+    await settle(env, "demo", 5)
+    pods = env.cluster.pods().values()
+    v_pods = [p for p in pods if p["metadata"]["labels"].get(names.LABEL_ROLE) == "V"]
+    assert len(v_pods) == 2 and all(p["metadata"]["labels"][names.LABEL_POOL] == "dec" for p in v_pods)
+    await wait_for(lambda: (env.cluster.mllm("demo").get("status") or {}).get("instanceTypes", {}).get("V")
+                   == {"desired": 2, "ready": 2}, what="V 2/2 in status")
