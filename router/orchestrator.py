@@ -36,6 +36,7 @@ from triptych.router.routing import (
 )
 from triptych.router.routing_metrics import RoutingMetrics
 from triptych.router.stage_client import StageClient, StageFailure
+from triptych.router.video_decode import VideoDispatcher
 from triptych.stage_protocol import (
     EncodedEvent,
     FinishedEvent,
@@ -46,6 +47,7 @@ from triptych.stage_protocol import (
     PrefilledEvent,
     StageRequest,
     TokensEvent,
+    VideoPart,
 )
 from triptych.topology import Stage
 
@@ -90,8 +92,10 @@ class Footprint:
 class Orchestrator:
     def __init__(self, registry: Registry, client: httpx.AsyncClient, chooser: Chooser | None = None,
                  config: OrchestratorConfig | None = None,
-                 metrics_registry: CollectorRegistry | None = None) -> None:
+                 metrics_registry: CollectorRegistry | None = None,
+                 videos: VideoDispatcher | None = None) -> None:
         self.registry = registry
+        self.videos = videos  # None: no V-instance decoding (the encoding instance decodes)
         self.client = client
         self.chooser = chooser or Chooser()
         self.config = config or OrchestratorConfig()
@@ -107,6 +111,7 @@ class Orchestrator:
     async def health(self) -> dict:
         roles = self.registry.roles_summary()
         stages = {s.value: len(self.registry.capable(s)) for s in Stage}
+        stages["video_decode"] = len(self.registry.video_decoders())
         if not self.ready():
             status = "unavailable"
         elif all(v["ready"] == v["total"] for v in roles.values()) and stages["encode"]:
@@ -191,6 +196,8 @@ class Orchestrator:
         self.metrics.decided(plan.decisions)
         for content_hash, url in plan.placement:
             self.affinity.remember(content_hash, url)
+        if self.videos is not None and any(m.kind == "video" for m in req.mm_items):
+            plan = replace(plan, decoders=tuple(self.registry.video_decoders(excluded)))
         return plan
 
     def _deadline(self, stages: Sequence[Stage], req: GenerationRequest) -> float:
@@ -210,9 +217,12 @@ class Orchestrator:
         handed what the one before it left (embedding handles to the prefill, the KV handle
         to the decode)."""
         mm_items = [MMItemSpec.of(m) for m in req.mm_items]  # images and videos
+        parts = await self._decode_videos(req, plan, mm_items, footprint)
         images = {m.content_hash: base64.b64encode(data).decode() for m, data in zip(req.mm_items, req.images,
-                                                                                     strict=True)}
-        results = await asyncio.gather(*(self._encode_only(req, run, images, mm_items, footprint)
+                                                                                     strict=True)
+                  if m.content_hash not in parts}  # a video decoded on V instances goes as parts, not bytes
+        results = await asyncio.gather(*(self._encode_only(req, run, images, _with_parts(mm_items, run.images, parts),
+                                                           footprint)
                                          for run in plan.encodes))
         mm_sources = [source for group in results for source in group]
         kv_source: KVSource | None = None
@@ -223,7 +233,8 @@ class Orchestrator:
                 return
             sreq = StageRequest(
                 request_id=req.request_id, stages=list(hop.stages), prompt_token_ids=req.prompt_token_ids,
-                mm_items=mm_items, images={h: images[h] for h in hop.images},
+                mm_items=_with_parts(mm_items, hop.images, parts),
+                images={h: images[h] for h in hop.images if h in images},
                 mm_sources=mm_sources if Stage.PREFILL in hop.stages else [],
                 kv_source=kv_source, sampling=req.sampling, grammar=req.grammar,
                 timeout_s=self._deadline(hop.stages, req),
@@ -248,6 +259,18 @@ class Orchestrator:
                 return
             if kv_source is None:
                 raise StageFailure(hop.instance, f"{hop.instance.url} ended {list(hop.stages)} without a hand-over")
+
+    async def _decode_videos(self, req: GenerationRequest, plan: Plan, mm_items: list[MMItemSpec],
+                             footprint: Footprint) -> dict[str, list[VideoPart]]:
+        """Decode the request's videos on the plan's V instances, all videos at once, each
+        spread over every V instance (router/video_decode.py); the parts by content hash."""
+        if not plan.decoders or self.videos is None:
+            return {}
+        videos = {m.content_hash: (m, data) for m, data in zip(mm_items, req.images, strict=True) if m.kind == "video"}
+        footprint.urls.update(inst.url for inst in plan.decoders)  # an abort frees their leases
+        decoded = await asyncio.gather(*(self.videos.decode(req.request_id, data, item, list(plan.decoders))
+                                         for item, data in videos.values()))
+        return dict(zip(videos, decoded, strict=True))
 
     @staticmethod
     def _finished(inst: Instance, event: FinishedEvent, stage: Stage) -> TokenEvent:
@@ -333,7 +356,7 @@ class Orchestrator:
         items = [m for m in mm_items if m.content_hash in run.images]
         sreq = StageRequest(request_id=req.request_id + ENCODE_ID_SUFFIX, stages=[Stage.ENCODE],
                             prompt_token_ids=req.prompt_token_ids, mm_items=items,
-                            images={h: images[h] for h in run.images},
+                            images={h: images[h] for h in run.images if h in images},
                             sampling=req.sampling, timeout_s=self.config.stage_timeout_s)
         footprint.urls.add(run.instance.url)
         async with aclosing(self.stages.run(run.instance, sreq, self.config.stage_timeout_s)) as events:
@@ -342,6 +365,14 @@ class Orchestrator:
                     return [MMSource(content_hash=e.content_hash, num_tokens=e.num_tokens, handle=e.handle)
                             for e in event.items]
         raise StageFailure(run.instance, f"{run.instance.url} ended the encode stage without a hand-over")
+
+
+def _with_parts(items: list[MMItemSpec], encoded_here: Sequence[str],
+                parts: dict[str, list[VideoPart]]) -> list[MMItemSpec]:
+    """The items as one run sees them: a video it encodes carries its V-decoded parts (only
+    the encoding instance pulls them; each part's lease is confirmed once)."""
+    return [m.model_copy(update={"video_parts": parts[m.content_hash]})
+            if m.content_hash in parts and m.content_hash in encoded_here else m for m in items]
 
 
 def _public_failure(status: int) -> str:

@@ -36,6 +36,11 @@ class Instance:
     def can_run(self, stage: Stage) -> bool:
         return self.ready and not self.draining and self.role is not None and self.role.runs(stage)
 
+    @property
+    def decodes_video(self) -> bool:
+        """A ready V instance (video decode; runs no E/P/D stage)."""
+        return self.ready and not self.draining and self.role is InstanceType.V
+
 
 @dataclass
 class Registry:
@@ -54,6 +59,10 @@ class Registry:
 
     def capable(self, stage: Stage, exclude: set[str] = frozenset()) -> list[Instance]:
         return [i for i in self.instances.values() if i.can_run(stage) and i.url not in exclude]
+
+    def video_decoders(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
+        return sorted((i for i in self.instances.values() if i.decodes_video and i.url not in exclude),
+                      key=lambda i: i.url)
 
     def roles_summary(self) -> dict[str, dict[str, int]]:
         summary: dict[str, dict[str, int]] = {}

@@ -51,6 +51,34 @@ class VideoOptions(BaseModel):
         return {k: v for k in keys if (v := getattr(self, k)) is not None}
 
 
+# V instances (video decode, FlashCodec paper 000 §3): the router uploads a video's bytes
+# to a V instance once (`PUT /internal/video/{video_id}`), then sends it GOP sets
+# (`POST /internal/video/segment`); the V instance decodes and patchifies each set and
+# answers with a `VideoPart`: a handle on its registered video buffer, pulled by the encode
+# instance like an embedding (HydraInfer §4.3 pull-based migration: lease, READ, confirm).
+VIDEO_ROWS_PER_BLOCK = 64  # patch rows per block of the video buffers (V source, E staging)
+
+
+class VideoPart(BaseModel):
+    """One decoded GOP set of a video as pixel patches held by a V instance."""
+
+    index: int = Field(ge=0)  # the segment's position in the video
+    num_frames: int = Field(ge=1)  # sampled frames it holds
+    rows: int = Field(ge=1)  # patch rows: grid_thw[0] * grid_thw[1] * grid_thw[2]
+    grid_thw: tuple[int, int, int]
+    handle: Handle  # blocks of VIDEO_ROWS_PER_BLOCK rows in the V's "video" region
+
+
+class VideoSegmentRequest(BaseModel):
+    """Decode one GOP set (`segment`: a worker.video.Segment as JSON) of an uploaded video and
+    patchify it with the item's resolved options (pixel bounds)."""
+
+    request_id: str
+    video_id: str
+    segment: dict[str, Any]
+    options: VideoOptions = VideoOptions()
+
+
 class MMItemSpec(BaseModel):
     """One image (or video) of a prompt, located by its placeholder run."""
 
@@ -61,6 +89,8 @@ class MMItemSpec(BaseModel):
     grid_thw: tuple[int, int, int] | None = None
     second_per_grid_t: float | None = None  # Qwen2.5-VL videos: M-RoPE temporal spacing
     video: VideoOptions | None = None  # videos: how to sample and size the frames
+    # videos decoded on V instances: the parts to pull, in order (no bytes are sent then)
+    video_parts: list[VideoPart] | None = None
 
     @classmethod
     def of(cls, item: Any) -> MMItemSpec:

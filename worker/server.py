@@ -35,7 +35,7 @@ from triptych.worker.errors import BadPayloadError, NotServingError, OverloadedE
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import InstanceCollector
 from triptych.worker.migration import MigrationError
-from triptych.worker.settings import WorkerSettings, settings_from_serving_config
+from triptych.worker.settings import WorkerSettings, settings_from_args
 from triptych.worker.stage_run import prepare, stream
 
 log = logging.getLogger("triptych.worker.server")
@@ -101,6 +101,9 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         if body.role != UNASSIGNED and body.role not in InstanceType.__members__:
             return _error(400, f"unknown role {body.role!r}; expected one of "
                                f"{', '.join(t.value for t in InstanceType)} or {UNASSIGNED}")
+        if body.role == InstanceType.V.value:  # a video decoder is its own process (no engine)
+            return _error(409, "V (video decode) is not a role an engine instance switches to; start a "
+                               "worker with --role V")
         try:
             report = await inst.switch(body.role)
         except Exception as exc:  # a failed load leaves the instance unassigned, and says why
@@ -173,17 +176,7 @@ def cli_main(args: argparse.Namespace) -> int:
     threads = args.threads or int(os.environ.get("TRIPTYCH_THREADS", "0")) or None
     if threads:
         torch.set_num_threads(threads)
-    from_file = settings_from_serving_config(args.config) if args.config else {}
-    flags = {"max_model_len": args.max_model_len, "token_budget": args.token_budget,
-             "image_budget": args.image_budget, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}
-    settings = WorkerSettings(**{
-        "dtype": args.dtype, "block_size": args.block_size, **from_file,
-        **{k: v for k, v in flags.items() if v is not None},
-        "model": str(args.model), "role": args.role,
-        "instance_id": args.instance_id or f"{args.role}-{args.port}", "device": args.device,
-        "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
-        "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
-        "pull_timeout_s": min(20.0, args.lease_seconds * 0.66)})
+    settings = settings_from_args(args)
     try:
         auth = WorkerAuth.load(args.internal_token_file, args.admin_token_file, args.insecure_no_auth)
     except MissingTokenError as exc:

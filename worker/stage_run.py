@@ -91,7 +91,14 @@ async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request
     videos = inst.engine.admission.videos
     for item in req.mm_items:
         h = item.content_hash
-        if item.kind == "video" and h in req.images and h not in req.vision_inputs:
+        if item.kind != "video" or h in req.vision_inputs:
+            continue
+        if item.video_parts and h not in req.images:  # decoded on V instances: pull the patches
+            assert inst.transfer is not None
+            rows, grid = await asyncio.to_thread(inst.video_puller.pull, inst.transfer, item.video_parts,
+                                                 videos.patch_dim, inst.settings.pull_timeout_s)
+            req.vision_inputs[h] = videos.from_parts(rows, grid, item)
+        elif h in req.images:
             req.vision_inputs[h] = await asyncio.to_thread(videos.prepare, req.images[h], item)
 
 
