@@ -98,6 +98,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(tokens, images, self.config.max_num_seqs), self.kv, self.mm)
         self.scheduler.counters = self.runner.counters = counters
         self.output = OutputProcessor(self.scheduler, self._requests, self._known_ids, eos_ids, self.max_model_len)
+        self.runner.eos_ids = self.output.eos_ids
 
     def set_role(self, role: InstanceType) -> PartsChanged:
         """Serve `role` from now on, in place (role_change.py): kept weights and caches stay,
@@ -145,7 +146,7 @@ class Engine:
 
     @eos_ids.setter
     def eos_ids(self, ids: Iterable[int]) -> None:
-        self.output.eos_ids = frozenset(ids)
+        self.output.eos_ids = self.runner.eos_ids = frozenset(ids)
 
     # --- requests in ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

@@ -39,6 +39,7 @@ class ModelRunner:
         self.device = device
         self.counters = counters or Counters()
         self._lock = lock  # the engine's: guards cache allocation against reserve_* callers
+        self.eos_ids: frozenset[int] = frozenset()  # what min_tokens holds back (the engine sets it)
 
     # --- encode -------------------------------------------------------------------------
     def run_encodes(self, encodes: list[tuple[Request, int]]) -> None:
@@ -85,10 +86,15 @@ class ModelRunner:
         if not rows:
             return {}
         logits = self.language.logits(hidden[torch.tensor(rows, device=hidden.device)])
-        result = sample(logits, [SampleRow(c.req.params, c.req.seed, len(c.req.output_token_ids))
-                                 for c in sampling])
+        result = sample(logits, [self.sample_row(c.req) for c in sampling])
         return {id(c.req): (tok, lp) for c, tok, lp in zip(sampling, result.token_ids, result.logprobs,
                                                             strict=True)}
+
+    def sample_row(self, req: Request) -> SampleRow:
+        params = req.params
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        return SampleRow(params, req.seed, len(req.output_token_ids), prompt_ids=req.prompt_token_ids,
+                         output_ids=req.output_token_ids, stop_ids=stop_ids)
 
     # --- profiling hooks (profiler.py) -------------------------------------------------
     @torch.inference_mode()

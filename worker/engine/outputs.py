@@ -83,8 +83,10 @@ class OutputProcessor:
             reason = FinishReason.STOP
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        # Stop strings are not looked for in the text of a stop token or EOS.
-        if self._add_text(req, token, last=reason is not None, check=reason != FinishReason.STOP):
+        # Stop strings are not looked for in the text of a stop token or EOS, nor before
+        # min_tokens (vLLM's rule; the sampler masks stop tokens until then).
+        check = reason != FinishReason.STOP and len(req.output_token_ids) >= params.min_tokens
+        if self._add_text(req, token, last=reason is not None, check=check):
             reason = FinishReason.STOP
         if reason is not None:
             return self.finish(req, reason)
