@@ -42,6 +42,8 @@ class SamplingParams(BaseModel):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     logit_bias: dict[int, float] = Field(default_factory=dict, max_length=MAX_LOGIT_BIAS_ENTRIES)
     min_tokens: int = Field(default=0, ge=0)
+    # Sequences to generate from one prompt (OpenAI's n, or best_of): one prefill, n decodes.
+    n: int = Field(default=1, ge=1, le=64)
 
     @field_validator("logit_bias")
     @classmethod

@@ -80,6 +80,15 @@ class MMSource(BaseModel):
     handle: Handle
 
 
+class TokenLogprob(BaseModel):
+    """One sampled token's log-prob and the top alternatives (token id, log-prob), from the
+    processed logits (worker/engine/sampling.py); the router renders OpenAI's shapes."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class KVSource(BaseModel):
     """A prefilled KV cache on another instance plus the token it sampled first.
 
@@ -92,6 +101,7 @@ class KVSource(BaseModel):
     num_tokens: int
     first_token: int
     generated: list[int] = []
+    first_logprob: TokenLogprob | None = None  # first_token's, when the request asked for logprobs
 
 
 class StageRequest(BaseModel):
@@ -122,6 +132,7 @@ class EncodedEvent(BaseModel):
 class TokensEvent(BaseModel):
     type: Literal["tokens"] = "tokens"
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
 class PrefilledEvent(BaseModel):

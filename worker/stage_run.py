@@ -23,6 +23,7 @@ from triptych.stage_protocol import (
     MigratingEvent,
     PrefilledEvent,
     StageRequest,
+    TokenLogprob,
     TokensEvent,
 )
 from triptych.topology import Stage
@@ -93,6 +94,15 @@ async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request
             req.vision_inputs[h] = await asyncio.to_thread(videos.prepare, req.images[h], item)
 
 
+def _tokens_event(tokens: list[int], out: RequestOutput) -> TokensEvent:
+    """The new tokens, with their log-probs when the request asked for them. The engine
+    computes log-probs only for tokens it sampled, so they line up with `tokens` (the
+    tokens of earlier instances are skipped)."""
+    lps = out.logprobs[-len(tokens):] if out.logprobs else None
+    return TokensEvent(token_ids=tokens, logprobs=[TokenLogprob.model_validate(e) for e in lps]
+                       if lps and len(lps) == len(tokens) else None)
+
+
 def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int) -> list[BaseModel]:
     if out.error:  # bad input was refused at add_request (400); what fails later is ours
         return [ErrorEvent(status=engine_failure_status(out), message=out.error)]
@@ -102,17 +112,19 @@ def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOut
     if handoff is not None and handoff.stage == Stage.PREFILL:
         assert handoff.first_token is not None
         kv = migration.offer_kv(sreq.request_id, handoff.kv_block_ids, handoff.num_kv_tokens, handoff.first_token)
+        if out.logprobs:
+            kv.first_logprob = TokenLogprob.model_validate(out.logprobs[-1])
         return [PrefilledEvent(kv=kv)]
     if handoff is not None and handoff.stage == Stage.DECODE:  # migrated out (role switch, drain)
         assert handoff.first_token is not None
         kv = migration.offer_kv(sreq.request_id, handoff.kv_block_ids, handoff.num_kv_tokens, handoff.first_token)
         kv.generated = list(handoff.generated)
         tokens = out.new_token_ids[skip:]
-        return ([TokensEvent(token_ids=tokens)] if tokens else []) + [MigratingEvent(kv=kv)]
+        return ([_tokens_event(tokens, out)] if tokens else []) + [MigratingEvent(kv=kv)]
     events: list[BaseModel] = []
     tokens = out.new_token_ids[skip:]
     if tokens:
-        events.append(TokensEvent(token_ids=tokens))
+        events.append(_tokens_event(tokens, out))
     if out.finished:
         reason = out.finish_reason.value if out.finish_reason else "abort"
         events.append(FinishedEvent(finish_reason=reason, timings=out.timings or {}))

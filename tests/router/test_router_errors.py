@@ -98,16 +98,27 @@ BAD_REQUESTS = [
     ("seed-huge", chat_body(seed=2**70), "seed", "less than"),
     ("too-many-stops", chat_body(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
     ("empty-stop", chat_body(stop=[""]), "stop", "empty"),
-    ("n-2", chat_body(n=2), "n", "n=1"),
-    ("logit-bias", chat_body(logit_bias={"5": 10}), "logit_bias", "not supported"),
+    ("n-zero", chat_body(n=0), "n", "greater than or equal to 1"),
+    ("n-negative", chat_body(n=-2), "n", "greater than or equal to 1"),
+    ("n-huge", chat_body(n=1000), "n", "less than or equal to"),
+    ("logit-bias-key", chat_body(logit_bias={"x5": 10}), "logit_bias", "token ids"),
+    ("logit-bias-negative-id", chat_body(logit_bias={"-5": 10}), "logit_bias", "non-negative"),
     ("tools", chat_body(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "tool"),
     ("tool-choice", chat_body(tool_choice="required"), "tool_choice", "tool"),
     ("json-schema", chat_body(response_format={"type": "json_schema", "json_schema": {}}),
      "response_format", "json_schema"),
-    ("presence-penalty", chat_body(presence_penalty=0.5), "presence_penalty", "not supported"),
-    ("frequency-penalty", chat_body(frequency_penalty=-1), "frequency_penalty", "not supported"),
-    ("logprobs", chat_body(logprobs=True, top_logprobs=2), "logprobs", "not supported"),
-    ("min-tokens", chat_body(min_tokens=3), "min_tokens", "not supported"),
+    ("presence-penalty", chat_body(presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
+    ("frequency-penalty", chat_body(frequency_penalty=-3), "frequency_penalty", "greater than or equal to -2"),
+    ("repetition-penalty", chat_body(repetition_penalty=0), "repetition_penalty", "greater than 0"),
+    ("min-p", chat_body(min_p=1.5), "min_p", "less than or equal to 1"),
+    ("top-logprobs-over-cap", chat_body(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
+    ("top-logprobs-without-logprobs", chat_body(top_logprobs=2), "top_logprobs", "logprobs"),
+    ("min-tokens-over-max", chat_body(min_tokens=30, max_tokens=3), "min_tokens", "at most max_tokens"),
+    ("min-tokens-negative", chat_body(min_tokens=-1), "min_tokens", "greater than or equal to 0"),
+    ("best-of-below-n", chat_body(n=3, best_of=2), "best_of", "at least n"),
+    ("truncate-zero", chat_body(truncate_prompt_tokens=0), "truncate_prompt_tokens", "greater than or equal"),
+    ("template-kwargs-reserved", chat_body(chat_template_kwargs={"messages": []}), "chat_template_kwargs",
+     "may not set"),
     ("stream-options-without-stream", chat_body(stream_options={"include_usage": True}), "stream_options", ""),
     ("placeholder-in-text", chat_body("hi <|image_pad|> there"), "messages", "placeholder"),
     ("video-placeholder-in-text", chat_body("hi <|video_pad|>"), "messages", "placeholder"),
@@ -169,8 +180,12 @@ async def test_completions_errors(client) -> None:
                         param="prompt", contains="vocabulary")
     assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "echo": True}), 400,
                         param="echo")
-    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "best_of": 3}), 400,
-                        param="best_of")
+    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "best_of": 3,
+                                                     "stream": True}), 400, param="best_of")
+    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "logprobs": 21}), 400,
+                        param="logprobs")
+    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "n": -1}), 400,
+                        param="n")
     assert_openai_error(await client.post(url, json={"model": "x", "prompt": "a"}), 404, code="model_not_found")
 
 

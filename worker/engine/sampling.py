@@ -182,7 +182,8 @@ def _exponential_noise(rows: list[SampleRow], vocab: int, device: torch.device) 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> list[dict | None]:
     if not any(r.params.logprobs for r in rows):
         return [None] * len(rows)
-    lp = logits.log_softmax(dim=1)
+    # -inf (a masked token) is not JSON: vLLM reports -9999.0 instead.
+    lp = logits.log_softmax(dim=1).clamp_min(-9999.0)
     out: list[dict | None] = []
     for i, r in enumerate(rows):
         if not r.params.logprobs:
