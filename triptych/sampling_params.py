@@ -22,6 +22,26 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI clamps each bias to [-100, 100]
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """splitmix64 of (seed, index) -> a non-negative int64 for torch.Generator."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of an n > 1 request: choice 0 keeps the request's seed
+    (so it samples what an n=1 request would), choice i draws from mix(seed, -i - 1)
+    (the output-index draws of that seed use indices >= 0: no overlap)."""
+    if seed is None or choice == 0:
+        return seed
+    return mix_seed(seed, -choice - 1)
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -84,6 +104,11 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def for_choice(self, choice: int, seed: int | None = None) -> SamplingParams:
+        """One choice of an n > 1 request as a request of its own (n=1, its own seed stream)."""
+        base = self.seed if seed is None else seed
+        return self.model_copy(update={"n": 1, "seed": choice_seed(base, choice)})
 
     @property
     def penalized(self) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from triptych.stage_protocol import (
+    ChoiceStart,
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
@@ -30,6 +31,8 @@ from triptych.topology import Stage
 from triptych.worker.admission import decode_payload, vision_inputs
 from triptych.worker.engine.request import PrefilledKV, Request, RequestOutput, RequestValidationError
 from triptych.worker.errors import NotServingError, engine_failure_status, http_status
+
+__all__ = ["engine_failure_status", "events_for", "prepare", "stream"]
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import observe_stages
 from triptych.worker.migration import MigrationService
@@ -103,7 +106,9 @@ def _tokens_event(tokens: list[int], out: RequestOutput) -> TokensEvent:
                        if lps and len(lps) == len(tokens) else None)
 
 
-def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int) -> list[BaseModel]:
+def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int,
+               req: Request | None = None) -> list[BaseModel]:
+    """The stage events of one engine output (`req`: for an n > 1 prefill's other first tokens)."""
     if out.error:  # bad input was refused at add_request (400); what fails later is ours
         return [ErrorEvent(status=engine_failure_status(out), message=out.error)]
     handoff = out.handoff
@@ -114,6 +119,9 @@ def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOut
         kv = migration.offer_kv(sreq.request_id, handoff.kv_block_ids, handoff.num_kv_tokens, handoff.first_token)
         if out.logprobs:
             kv.first_logprob = TokenLogprob.model_validate(out.logprobs[-1])
+        if req is not None and req.choice_firsts:
+            kv.choices = [ChoiceStart(token=t, logprob=TokenLogprob.model_validate(e) if e else None)
+                          for t, e in req.choice_firsts]
         return [PrefilledEvent(kv=kv)]
     if handoff is not None and handoff.stage == Stage.DECODE:  # migrated out (role switch, drain)
         assert handoff.first_token is not None
@@ -148,7 +156,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
             if reserved:  # the request now holds its own references to pulled embeddings
                 migration.release_embeddings(reserved)
                 reserved = []
-            for event in _events_for(migration, sreq, out, skip):
+            for event in events_for(migration, sreq, out, skip, req):
                 yield _line(event)
             skip = max(0, skip - len(out.new_token_ids))
             if out.finished and out.timings:

@@ -196,6 +196,19 @@ class Engine:
         with self._lock:
             return self.kv.allocate(self.kv.blocks_for(num_tokens))
 
+    def fork_kv(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        """New blocks holding a copy of the first `num_tokens` tokens' KV in `block_ids` (an
+        n > 1 request's prompt, one copy per choice). The source blocks are not written
+        while they are copied: they belong to a parked or not yet admitted request."""
+        if self.kv is None:
+            raise StageNotServedError(f"this {self.role.value} instance holds no KV cache")
+        with self._lock:
+            new = self.kv.allocate(self.kv.blocks_for(num_tokens))
+        src = torch.tensor(block_ids[:len(new)], device=self.kv.tensor.device)
+        dst = torch.tensor(new, device=self.kv.tensor.device)
+        self.kv.tensor.index_copy_(0, dst, self.kv.tensor.index_select(0, src))
+        return new
+
     def free_kv(self, block_ids: list[int]) -> None:
         assert self.kv is not None
         with self._lock:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from triptych.worker.attention import build_metadata
 from triptych.worker.engine.kv_cache import KVCache
 from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.request import Request
-from triptych.worker.engine.sampling import SampleRow, sample
+from triptych.worker.engine.sampling import SampleRow, choice_seed, sample
 from triptych.worker.engine.scheduler import Chunk, Counters
 
 # What a forward sampled, keyed by id(request): (token, logprob entry or None).
@@ -85,9 +86,22 @@ class ModelRunner:
         rows, sampling = sample_rows(chunks)
         if not rows:
             return {}
+        srows = [self.sample_row(c.req) for c in sampling]
+        # An n > 1 request's first token: choices 1..n-1 sample theirs from the same logits
+        # with their own seeds (one prefill, n first tokens; worker/choices.py forks the KV).
+        forks: list[tuple[Request, int]] = []
+        for row, c in zip(list(rows), sampling, strict=True):
+            if c.req.params.n > 1 and not c.req.output_token_ids:
+                for i in range(1, c.req.params.n):
+                    rows.append(row)
+                    srows.append(replace(self.sample_row(c.req), seed=choice_seed(c.req.seed, i)))
+                    forks.append((c.req, i))
         logits = self.language.logits(hidden[torch.tensor(rows, device=hidden.device)])
-        result = sample(logits, [self.sample_row(c.req) for c in sampling])
-        return {id(c.req): (tok, lp) for c, tok, lp in zip(sampling, result.token_ids, result.logprobs,
+        result = sample(logits, srows)
+        k = len(sampling)
+        for (req, _), tok, lp in zip(forks, result.token_ids[k:], result.logprobs[k:], strict=True):
+            req.choice_firsts.append((tok, lp))
+        return {id(c.req): (tok, lp) for c, tok, lp in zip(sampling, result.token_ids[:k], result.logprobs[:k],
                                                             strict=True)}
 
     def sample_row(self, req: Request) -> SampleRow:

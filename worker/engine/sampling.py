@@ -24,17 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from triptych.sampling_params import SamplingParams
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(seed: int, index: int) -> int:
-    """splitmix64 of (seed, index) -> a non-negative int64 for torch.Generator."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+from triptych.sampling_params import SamplingParams, choice_seed, mix_seed  # noqa: F401 (re-exported)
 
 
 def resolve_seed(params: SamplingParams) -> int | None:
