@@ -1,18 +1,25 @@
 """OpenAI-compatible request and response models (the subset Triptych serves).
 
-Unknown fields are refused (extra="forbid") and fields whose values would change the
-result but which we do not implement are refused by `unsupported_fields()`: a client
-must never get a silently different answer than it asked for.
+Unknown top-level request fields are ignored and logged, as vLLM does (its
+OpenAIBaseModel: "fields were present in the request but ignored"), so clients written
+for other servers work unchanged; inside messages, content parts and stream_options an
+unknown key is a 400 (a typo there changes what the prompt is). Known fields whose values
+would change the result but which we do not implement are refused by
+`unsupported_fields()`: a client never gets a silently different answer for a field we
+know.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from triptych.sampling_params import MAX_TOP_LOGPROBS
+
+log = logging.getLogger("triptych.router.protocol")
 
 MAX_N = 16  # choices (n or best_of) per request: each holds its own KV cache while it decodes
 
@@ -85,14 +92,19 @@ class ResponseFormat(BaseModel):
     type: str
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(BaseModel):
     """Fields both endpoints share. Ranges are SamplingParams' (a 400 names the field)."""
+
+    model_config = ConfigDict(extra="ignore")  # vLLM's behaviour; logged in _null_means_default
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         # Many clients send every field, unset ones as null ("n": null, "stream": null).
         if isinstance(data, dict):
+            unknown = sorted(k for k in data if k not in cls.model_fields)
+            if unknown:
+                log.warning("fields present in the request but ignored: %s", ", ".join(map(str, unknown)))
             return {k: v for k, v in data.items()
                     if v is not None or k not in cls.model_fields or cls.model_fields[k].default is None}
         return data

@@ -75,7 +75,8 @@ BAD_REQUESTS = [
     ("bad-role", chat_body() | {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "user"),
     ("unknown-part-type", chat_body([{"type": "audio", "audio": "x"}]), "messages[0].content[0]", "tag"),
     ("text-part-without-text", chat_body([{"type": "text"}]), "messages[0].content[0].text", "required"),
-    ("unknown-field", chat_body(frobnicate=True), "frobnicate", "unrecognized"),
+    ("unknown-part-field", chat_body([{"type": "text", "text": "x", "frobnicate": 1}]),
+     "messages[0].content[0].frobnicate", "unrecognized"),
     ("bad-base64", with_parts(image_part(url="data:image/png;base64,@@@not base64@@@")), IMG, "base64"),
     ("not-base64-data-url", with_parts(image_part(url="data:image/png,rawbytes")), IMG, "base64"),
     ("non-image-media-type", with_parts(image_part(url=data_url(b"hello", "text/plain"))), IMG, "not an image"),
@@ -169,6 +170,15 @@ async def test_prompt_over_the_context(config, make_client, backend) -> None:
         r = await client.post(CHAT, json=chat_body("hi", max_tokens=40 - prompt_len + 1))
         assert_openai_error(r, 400, param="max_tokens", code="context_length_exceeded")
         assert (await client.post(CHAT, json=chat_body("hi", max_tokens=40 - prompt_len))).status_code == 200
+
+
+async def test_unknown_top_level_fields_are_ignored_and_logged(client, backend, caplog) -> None:
+    # vLLM's behaviour: the request runs as if the field were absent, and the log says so.
+    with caplog.at_level("WARNING", logger="triptych.router.protocol"):
+        r = await client.post(CHAT, json=chat_body(frobnicate=True))
+    assert r.status_code == 200, r.text
+    assert len(backend.requests) == 1
+    assert "frobnicate" in caplog.text
 
 
 async def test_completions_errors(client) -> None:
