@@ -160,17 +160,24 @@ def test_completion_logprobs_equal_transformers(client: openai.OpenAI, model_dir
 
 
 def test_n_greedy_choices_share_one_prefill(dep: LocalDeployment, client: openai.OpenAI, model_dir: Path) -> None:
-    want, _ = reference(model_dir, 6)
+    want, lps = reference(model_dir, 6)
     num_prompt = len(hf_inputs(str(model_dir), messages(), [])["input_ids"][0])
     servekit.wait_idle(dep)
     before = prefill_tokens(dep)
     resp = client.chat.completions.create(model=model_dir.name, messages=openai_messages(), max_tokens=6,
-                                          temperature=0, n=3,
+                                          temperature=0, n=3, logprobs=True,
                                           extra_body={"ignore_eos": True, "return_token_ids": True})
     assert [c.index for c in resp.choices] == [0, 1, 2]
     assert [token_ids(c) for c in resp.choices] == [want] * 3
+    for c in resp.choices:  # each choice's first token's log-prob came with the prefill's hand-over
+        assert [x.logprob for x in c.logprobs.content] == pytest.approx(
+            [lp[t].item() for lp, t in zip(lps, want, strict=True)], abs=TOL)
     assert resp.usage.completion_tokens == 18 and resp.usage.prompt_tokens == num_prompt
     assert prefill_tokens(dep) - before == num_prompt  # the prompt was computed once
+    # Every choice ends with its first token: nothing to fork, nothing left behind.
+    short = client.chat.completions.create(model=model_dir.name, messages=openai_messages(), max_tokens=1,
+                                           temperature=0, n=2, extra_body={"return_token_ids": True})
+    assert [(token_ids(c), c.finish_reason) for c in short.choices] == [(want[:1], "length")] * 2
     servekit.assert_no_leaks(servekit.wait_idle(dep))
 
 

@@ -106,7 +106,9 @@ class ModelRunner:
 
     def sample_row(self, req: Request) -> SampleRow:
         params = req.params
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        stop_ids: frozenset[int] = frozenset()
+        if len(req.output_token_ids) < params.min_tokens:  # only min_tokens reads them
+            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         return SampleRow(params, req.seed, len(req.output_token_ids), prompt_ids=req.prompt_token_ids,
                          output_ids=req.output_token_ids, stop_ids=stop_ids)
 
