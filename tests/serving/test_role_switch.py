@@ -132,8 +132,10 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
 
 
 async def _choices(client: httpx.AsyncClient, url: str, body: dict) -> dict[int, list[int]]:
-    """A streamed n > 1 chat completion: each choice's token ids."""
+    """A streamed n > 1 chat completion: each choice's token ids (checking each token came
+    with its log-prob entry, across the migration)."""
     ids: dict[int, list[int]] = {}
+    logprobs: dict[int, int] = {}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
@@ -142,6 +144,9 @@ async def _choices(client: httpx.AsyncClient, url: str, body: dict) -> dict[int,
                 assert "error" not in chunk, chunk
                 for c in chunk["choices"]:
                     ids.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+                    entries = (c.get("logprobs") or {}).get("content") or []
+                    logprobs[c["index"]] = logprobs.get(c["index"], 0) + len(entries)
+    assert logprobs == {i: len(x) for i, x in ids.items()}
     return ids
 
 
@@ -155,7 +160,7 @@ def test_n_choices_migrate_one_by_one_exactly(epd4) -> None:
 
     async def run() -> tuple[list[dict[int, list[int]]], dict]:
         async with httpx.AsyncClient(timeout=180) as client:
-            tasks = [asyncio.create_task(_choices(client, dep.router_url, c.openai_body(model.name) | {"n": 3}))
+            tasks = [asyncio.create_task(_choices(client, dep.router_url, c.openai_body(model.name) | {"n": 3, "logprobs": True}))
                      for c in cases]
             await asyncio.sleep(0.2)
             report = await asyncio.to_thread(_switch_a_busy_d, dep, "P")
