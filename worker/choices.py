@@ -34,6 +34,7 @@ from triptych.stage_protocol import (
 )
 from triptych.topology import Stage
 from triptych.worker import stage_run
+from triptych.worker.engine.kv_cache import OutOfBlocksError
 from triptych.worker.engine.request import PrefilledKV, Request, RequestValidationError
 from triptych.worker.errors import http_status
 from triptych.worker.instance import InstanceRuntime
@@ -147,12 +148,15 @@ async def _fork(inst: InstanceRuntime, sreq: StageRequest, starts: list[Start], 
             children.append((i, child, Request(child.request_id, child.prompt_token_ids, child.sampling,
                                                mm_items=child.mm_items, stages=frozenset({Stage.DECODE}),
                                                prefilled=PrefilledKV(blocks, num_tokens, starts[i][0]))))
-    except BaseException:
+    except BaseException as exc:
         for _, _, child_req in children:
             engine.free_kv(child_req.prefilled.block_ids)  # type: ignore[union-attr]
         if owned and (not live or len(children) < len(live)):
             engine.free_kv(block_ids)
-        raise
+        if not isinstance(exc, OutOfBlocksError):
+            raise
+        yield _line(ErrorEvent(status=503, message=f"KV cache exhausted forking {len(live)} choices: {exc}"))
+        return
     if owned and not live:
         engine.free_kv(block_ids)
     async for line in _merge(inst, children):
