@@ -53,44 +53,46 @@ class SampleResult:
     logprobs: list[dict | None]  # per row: {"token": id, "logprob": x, "top": [(id, x), ...]} or None
 
 
-def _bin_counts(ids: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """`[N, V]` counts of each row's token ids (padded with `vocab`, an extra bin dropped)."""
+def _padded_ids(ids: list[Sequence[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """`[N, L]` token ids, each row padded with `pad` (a column past the vocabulary)."""
     width = max((len(x) for x in ids), default=0)
-    padded = torch.full((len(ids), width + 1), vocab, dtype=torch.long)
+    padded = torch.full((len(ids), width + 1), pad, dtype=torch.long)
     for i, x in enumerate(ids):
         if len(x):
-            padded[i, :len(x)] = torch.tensor(list(x), dtype=torch.long)
-    padded = padded.to(device)
-    counts = torch.zeros(len(ids), vocab + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab]
+            padded[i, :len(x)] = torch.as_tensor(x, dtype=torch.long)
+    return padded.to(device)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """vLLM's `apply_penalties` (vllm/model_executor/layers/utils.py) on the penalized rows:
     a token seen in the prompt or output has a positive logit divided by
     `repetition_penalty` and a negative one multiplied by it; then each output
-    occurrence subtracts `frequency_penalty`, and appearing at all `presence_penalty`."""
+    occurrence subtracts `frequency_penalty`, and appearing at all `presence_penalty`.
+
+    Computed sparsely, over the rows' token ids rather than the vocabulary (a gather and
+    a scatter per penalty): a repeated id reads and writes the same value, so it counts
+    once where it must (repetition, presence) and per occurrence where it must (frequency)."""
     which = [i for i, r in enumerate(rows) if r.params.penalized]
     if not which:
         return logits
     sub = [rows[i] for i in which]
     idx = torch.tensor(which, device=logits.device)
     vocab = logits.shape[1]
-    x = logits[idx]
-    out_counts = _bin_counts([r.output_ids for r in sub], vocab, logits.device)
-    seen = (_bin_counts([r.prompt_ids for r in sub], vocab, logits.device) > 0) | (out_counts > 0)
+    # One spare column for the padding ids, dropped at the end.
+    x = torch.cat([logits[idx], logits.new_zeros(len(sub), 1)], dim=1)
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor(values, dtype=x.dtype, device=x.device).unsqueeze(1)
 
-    rep = column([r.params.repetition_penalty for r in sub]).expand_as(x)
-    rep = torch.where(seen, rep, torch.ones_like(rep))
-    x = torch.where(x > 0, x / rep, x * rep)
-    x = x - column([r.params.frequency_penalty for r in sub]) * out_counts
-    x = x - column([r.params.presence_penalty for r in sub]) * (out_counts > 0).to(x.dtype)
+    seen = _padded_ids([[*r.prompt_ids, *r.output_ids] for r in sub], vocab, logits.device)
+    rep = column([r.params.repetition_penalty for r in sub])
+    g = x.gather(1, seen)
+    x.scatter_(1, seen, torch.where(g > 0, g / rep, g * rep))
+    out = _padded_ids([r.output_ids for r in sub], vocab, logits.device)
+    x.scatter_add_(1, out, (-column([r.params.frequency_penalty for r in sub])).expand(out.shape).contiguous())
+    x.scatter_(1, out, x.gather(1, out) - column([r.params.presence_penalty for r in sub]))
     logits = logits.clone()
-    logits[idx] = x
+    logits[idx] = x[:, :vocab]
     return logits
 
 
