@@ -17,7 +17,7 @@ from pydantic.alias_generators import to_camel
 
 from triptych.kube import names
 from triptych.operator.safety import safety_problems
-from triptych.topology import InstanceType, TopologyError, format_topology, validate_coverage
+from triptych.topology import STAGE_TYPES, InstanceType, TopologyError, format_topology, validate_coverage
 
 Family = Literal["qwen2-vl", "qwen2.5-vl", "llava"]
 Dtype = Literal["float32", "float16", "bfloat16"]
@@ -117,11 +117,14 @@ def _router_resources() -> ResourceRequirements:
 
 class WorkerPool(Model):
     """A group of identical worker pods (one Deployment); the operator gives each pod one of
-    the pool's instance types as its role."""
+    the pool's instance types as its role. A pool of V (video decoder) pods allows V only:
+    they start as V (`--role V`), load no model weights and never switch roles."""
 
     name: str = Field(pattern=DNS_LABEL, max_length=30)
     instance_types: list[InstanceType] = Field(
-        default_factory=lambda: list(InstanceType), min_length=1,
+        default_factory=lambda: list(STAGE_TYPES), min_length=1,
+        description="instance types this pool's pods may serve (default: every E/P/D type; V needs a "
+                    "pool of its own)",
         json_schema_extra={"x-kubernetes-list-type": "set"})
     image: str = names.DEFAULT_IMAGE
     image_pull_policy: PullPolicy = "IfNotPresent"
@@ -140,6 +143,18 @@ class WorkerPool(Model):
     @property
     def uses_gpu(self) -> bool:
         return GPU in self.resources.limits or GPU in self.resources.requests
+
+    @property
+    def video_only(self) -> bool:
+        """A pool of V pods: started as V, never switched (worker/video_instance.py)."""
+        return self.instance_types == [InstanceType.V]
+
+
+def default_video_pool() -> WorkerPool:
+    """The pool V instances get when spec.pools is empty: CPU only (PyAV), no GPU."""
+    return WorkerPool(name="video", instance_types=[InstanceType.V],
+                      resources=ResourceRequirements(requests={"cpu": "2", "memory": "2Gi"},
+                                                     limits={"memory": "4Gi"}))
 
 
 class SecretKeyRef(Model):
@@ -259,7 +274,10 @@ class MLLMDeploymentSpec(Model):
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
 
     def effective_pools(self) -> list[WorkerPool]:
-        return self.pools or [WorkerPool(name="workers")]
+        if self.pools:
+            return self.pools
+        video = [default_video_pool()] if self.topology.get(InstanceType.V, 0) > 0 else []
+        return [WorkerPool(name="workers"), *video]
 
     def counts(self) -> dict[InstanceType, int]:
         return {t: n for t, n in self.topology.items() if n > 0}
@@ -361,6 +379,9 @@ def spec_problems(spec: MLLMDeploymentSpec, *, name: str) -> list[str]:
         seen.add(pool.name)
         if GPU in pool.resources.requests and pool.resources.requests[GPU] != pool.resources.limits.get(GPU):
             problems.append(f"spec.pools[{pool.name}].resources: {GPU} requests must equal limits")
+        if InstanceType.V in pool.instance_types and not pool.video_only:
+            problems.append(f"spec.pools[{pool.name}].instanceTypes: V (video decode, no model weights, never "
+                            "switched) needs a pool of its own")
         if len(names.worker_deployment_name(name, pool.name)) > 63:
             problems.append(f"name {name!r} + pool {pool.name!r} is longer than 63 characters")
     allowed = {t for p in pools for t in p.instance_types}

@@ -175,6 +175,9 @@ async def _relabel_drifted(ctx: OperatorContext, body: Mapping[str, Any], raw_po
         if served == label:
             continue
         await ctx.kube.patch(POD, body["metadata"]["namespace"], name, {"metadata": {"labels": role_labels(served)}})
+        if label is None and served is InstanceType.V:  # a V pod starts as V (--role V): nothing drifted
+            ctx.emit(body, "Normal", "RoleAssigned", f"{name}: unassigned -> V")
+            continue
         ctx.emit(body, "Warning", "RoleDrift", f"{name}: labelled {label.value if label else UNASSIGNED} but its "
                  f"worker serves {served.value if served else UNASSIGNED} (restarted?); relabelled")
 

@@ -18,7 +18,7 @@ from triptych.kube import names
 from triptych.topology import InstanceType
 
 # Canonical order for deterministic plans (the order `format_topology` prints).
-TYPE_ORDER: tuple[InstanceType, ...] = tuple(InstanceType(t) for t in ("E", "EP", "ED", "EPD", "P", "PD", "D"))
+TYPE_ORDER: tuple[InstanceType, ...] = tuple(InstanceType(t) for t in ("V", "E", "EP", "ED", "EPD", "P", "PD", "D"))
 
 
 @dataclass(frozen=True)

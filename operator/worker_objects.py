@@ -21,11 +21,15 @@ from triptych.operator.podspec import (
     ucx_env,
     worker_lifecycle,
 )
+from triptych.topology import UNASSIGNED, InstanceType
 
 
 def worker_args(spec: MLLMDeploymentSpec, pool: WorkerPool) -> list[str]:
     transfer = "any" if spec.transfer.allow_fallback else "nixl"
-    return ["--model", model_dir(spec.model.source), "--role", "unassigned", "--host", "0.0.0.0",
+    # V pods start as V (a video decoder has no role to switch to or from); every other pod
+    # starts unassigned and gets its role from the operator.
+    role = InstanceType.V.value if pool.video_only else UNASSIGNED
+    return ["--model", model_dir(spec.model.source), "--role", role, "--host", "0.0.0.0",
             "--port", str(pool.port), "--instance-id", "$(POD_NAME)",
             "--block-size", str(spec.scheduling.block_size), "--transfer-require", transfer,
             "--dtype", spec.model.dtype, "--device", "cuda" if pool.uses_gpu else "cpu"]

@@ -61,6 +61,8 @@ from triptych.router.streaming import (
     collect,
     sse_body,
 )
+from triptych.router.structured import response_format_grammar
+from triptych.router.tools import check_tools, render_messages, tool_choice_grammar
 from triptych.sampling_params import SamplingParams
 from triptych.version import __version__
 
@@ -110,22 +112,28 @@ def _add_generation_routes(app: FastAPI, state: RouterState) -> None:
         _check_request(state, body)
         sampling = _sampling(body, body.requested_max_tokens)
         started = time.monotonic()
-        messages, refs = template_messages(body.messages, state.config)
+        check_tools(body.tools, body.tool_choice)
+        # Compiled before any work: a schema that does not compile is a 400 (structured.py).
+        grammar = tool_choice_grammar(body.tools, body.tool_choice) or response_format_grammar(body.response_format)
+        messages, refs = template_messages(render_messages(body.messages, body.tools), state.config)
         prompt = await prepare_chat(state, messages, refs, mm_processor_kwargs=body.mm_processor_kwargs,
                                     template_kwargs=body.chat_template_kwargs)
         prompt = truncate_prompt(prompt, body.truncate_prompt_tokens)
         state.metrics.preprocess.labels(state.model_name).observe(time.monotonic() - started)
         sampling = fit_context(state, len(prompt.token_ids), sampling, body.requested_max_tokens)
-        return await _generate(state, request, body, prompt, sampling, chat=True)
+        parse_tools = bool(body.tools) and body.tool_choice != "none"
+        return await _generate(state, request, body, prompt, sampling, chat=True, grammar=grammar,
+                               parse_tools=parse_tools)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_request(state, body)
         sampling = _sampling(body, body.max_tokens)
+        grammar = response_format_grammar(body.response_format)
         prompt = Prompt(token_ids=await asyncio.to_thread(completion_prompt, state, body.prompt))
         prompt = truncate_prompt(prompt, body.truncate_prompt_tokens)
         sampling = fit_context(state, len(prompt.token_ids), sampling, body.max_tokens)
-        return await _generate(state, request, body, prompt, sampling, chat=False)
+        return await _generate(state, request, body, prompt, sampling, chat=False, grammar=grammar)
 
 
 def _check_request(state: RouterState, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -178,7 +186,8 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
 
 
 async def _generate(state: RouterState, request: Request, body: ChatCompletionRequest | CompletionRequest,
-                    prompt: Prompt, sampling: SamplingParams, chat: bool) -> Response:
+                    prompt: Prompt, sampling: SamplingParams, chat: bool, grammar: str | None = None,
+                    parse_tools: bool = False) -> Response:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     choices = [Choice(OutputText(state.detokenizer(body.skip_special_tokens), sampling.stop, sampling.min_tokens))
                for _ in range(sampling.n)]
@@ -186,10 +195,10 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
     job = Job(request_id=request_id, model=state.model_name, chat=chat, prompt_len=len(prompt.token_ids),
               max_tokens=sampling.max_tokens, metrics=state.metrics, choices=choices,
               return_token_ids=body.return_token_ids, logprobs=asked_logprobs,
-              token_text=state.token_text, keep=body.n)
+              token_text=state.token_text, keep=body.n, parse_tools=parse_tools)
     gen = GenerationRequest(request_id=request_id, prompt_token_ids=prompt.token_ids,
                             mm_items=prompt.mm_items, images=prompt.images, sampling=sampling,
-                            model=state.model_name)
+                            model=state.model_name, grammar=grammar)
     metrics = state.metrics
     metrics.prompt_tokens.labels(state.model_name).inc(len(prompt.token_ids))
     metrics.images.labels(state.model_name).inc(len(prompt.images))

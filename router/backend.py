@@ -37,6 +37,7 @@ class GenerationRequest:
     images: list[bytes]  # original encoded bytes, one per mm item (E instances decode them)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     model: str = ""  # the served model name the client asked for
+    grammar: str | None = None  # llguidance grammar masking every sampled token (router/structured.py)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from triptych.router.orchestrator import Orchestrator, OrchestratorConfig
 from triptych.router.registry import Registry
 from triptych.router.routing import Chooser, Policy, parse_stage_policies
 from triptych.router.stage_client import worker_client
+from triptych.router.video_decode import VideoDispatcher
 
 log = logging.getLogger("triptych.router")
 
@@ -43,7 +44,8 @@ def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None 
     Gauge(f"{PREFIX}_slo_attainment_target", "The share of requests that should meet the SLO "
           "(compare triptych_frontend_slo_attainment)", ["model"],
           registry=metrics).labels(config.model_name).set(config.slo_attainment_target)
-    orchestrator = Orchestrator(registry, client, chooser or Chooser(), orchestrator_config, metrics)
+    orchestrator = Orchestrator(registry, client, chooser or Chooser(), orchestrator_config, metrics,
+                                videos=VideoDispatcher(client, str(config.model)))
     app = create_app(config, orchestrator, registry=metrics)
     add_admin_routes(app, registry, client, config.load_admin_token())
     inner = app.router.lifespan_context

@@ -36,6 +36,7 @@ from triptych.router.routing import (
 )
 from triptych.router.routing_metrics import RoutingMetrics
 from triptych.router.stage_client import StageClient, StageFailure
+from triptych.router.video_decode import VideoDispatcher
 from triptych.stage_protocol import (
     EncodedEvent,
     FinishedEvent,
@@ -46,6 +47,7 @@ from triptych.stage_protocol import (
     PrefilledEvent,
     StageRequest,
     TokensEvent,
+    VideoPart,
 )
 from triptych.topology import Stage
 
@@ -68,7 +70,11 @@ class OrchestratorConfig:
     max_inflight: int = 512  # requests in flight before new ones get 429
     max_instance_load: float | None = None  # 429 when every first-stage instance reports more queued work
     retry_after_s: float = 1.0
-    max_decode_hops: int = 8  # instances one decode may pass through (refusals, migrations)
+    max_decode_hops: int = 8  # times one decode may migrate to another instance
+    # With a KV in hand (its source holds it under a lease) and no decode instance taking
+    # it — all switching, refusing, or unseen by the registry for a moment — wait this
+    # long for one before failing the request.
+    decode_wait_s: float = 10.0
 
 
 @dataclass
@@ -86,8 +92,10 @@ class Footprint:
 class Orchestrator:
     def __init__(self, registry: Registry, client: httpx.AsyncClient, chooser: Chooser | None = None,
                  config: OrchestratorConfig | None = None,
-                 metrics_registry: CollectorRegistry | None = None) -> None:
+                 metrics_registry: CollectorRegistry | None = None,
+                 videos: VideoDispatcher | None = None) -> None:
         self.registry = registry
+        self.videos = videos  # None: no V-instance decoding (the encoding instance decodes)
         self.client = client
         self.chooser = chooser or Chooser()
         self.config = config or OrchestratorConfig()
@@ -103,6 +111,7 @@ class Orchestrator:
     async def health(self) -> dict:
         roles = self.registry.roles_summary()
         stages = {s.value: len(self.registry.capable(s)) for s in Stage}
+        stages["video_decode"] = len(self.registry.video_decoders())
         if not self.ready():
             status = "unavailable"
         elif all(v["ready"] == v["total"] for v in roles.values()) and stages["encode"]:
@@ -187,6 +196,8 @@ class Orchestrator:
         self.metrics.decided(plan.decisions)
         for content_hash, url in plan.placement:
             self.affinity.remember(content_hash, url)
+        if self.videos is not None and any(m.kind == "video" for m in req.mm_items):
+            plan = replace(plan, decoders=tuple(self.registry.video_decoders(excluded)))
         return plan
 
     def _deadline(self, stages: Sequence[Stage], req: GenerationRequest) -> float:
@@ -206,9 +217,12 @@ class Orchestrator:
         handed what the one before it left (embedding handles to the prefill, the KV handle
         to the decode)."""
         mm_items = [MMItemSpec.of(m) for m in req.mm_items]  # images and videos
+        parts = await self._decode_videos(req, plan, mm_items, footprint)
         images = {m.content_hash: base64.b64encode(data).decode() for m, data in zip(req.mm_items, req.images,
-                                                                                     strict=True)}
-        results = await asyncio.gather(*(self._encode_only(req, run, images, mm_items, footprint)
+                                                                                     strict=True)
+                  if m.content_hash not in parts}  # a video decoded on V instances goes as parts, not bytes
+        results = await asyncio.gather(*(self._encode_only(req, run, images, _with_parts(mm_items, run.images, parts),
+                                                           footprint)
                                          for run in plan.encodes))
         mm_sources = [source for group in results for source in group]
         kv_source: KVSource | None = None
@@ -219,9 +233,11 @@ class Orchestrator:
                 return
             sreq = StageRequest(
                 request_id=req.request_id, stages=list(hop.stages), prompt_token_ids=req.prompt_token_ids,
-                mm_items=mm_items, images={h: images[h] for h in hop.images},
+                mm_items=_with_parts(mm_items, hop.images, parts),
+                images={h: images[h] for h in hop.images if h in images},
                 mm_sources=mm_sources if Stage.PREFILL in hop.stages else [],
-                kv_source=kv_source, sampling=req.sampling, timeout_s=self._deadline(hop.stages, req),
+                kv_source=kv_source, sampling=req.sampling, grammar=req.grammar,
+                timeout_s=self._deadline(hop.stages, req),
             )
             footprint.urls.add(hop.instance.url)
             kv_source = None
@@ -248,18 +264,31 @@ class Orchestrator:
                 raise StageFailure(hop.instance, f"{hop.instance.url} ended {list(hop.stages)} without a hand-over")
 
     async def _continue_migrated(self, req: GenerationRequest, migrated: dict[int, KVSource],
-                                 mm_items: list[MMItemSpec], footprint: Footprint, exclude: set[str]
-                                 ) -> AsyncIterator[TokenEvent]:
-        """Decodes migrated off an instance go on elsewhere. With n > 1 each choice goes on
+                                 mm_items: list[MMItemSpec], footprint: Footprint, exclude: set[str],
+                                 moves: int = 0) -> AsyncIterator[TokenEvent]:
+        """Decodes migrated off an instance go on elsewhere (`_decode`: its bounded wait for a
+        decode instance, its hop bound counted from `moves`). With n > 1 each choice goes on
         as a request of its own (its own seed stream), one after the other."""
         if req.sampling.n == 1:
-            async for event in self._decode(req, migrated[0], mm_items, footprint, exclude=exclude):
+            async for event in self._decode(req, migrated[0], mm_items, footprint, exclude=exclude, moves=moves):
                 yield event
             return
         for index, kv in sorted(migrated.items()):
             choice = replace(req, request_id=f"{req.request_id}.c{index}", sampling=req.sampling.for_choice(index))
-            async for event in self._decode(choice, kv, mm_items, footprint, exclude=exclude):
+            async for event in self._decode(choice, kv, mm_items, footprint, exclude=exclude, moves=moves):
                 yield replace(event, index=index)
+
+    async def _decode_videos(self, req: GenerationRequest, plan: Plan, mm_items: list[MMItemSpec],
+                             footprint: Footprint) -> dict[str, list[VideoPart]]:
+        """Decode the request's videos on the plan's V instances, all videos at once, each
+        spread over every V instance (router/video_decode.py); the parts by content hash."""
+        if not plan.decoders or self.videos is None:
+            return {}
+        videos = {m.content_hash: (m, data) for m, data in zip(mm_items, req.images, strict=True) if m.kind == "video"}
+        footprint.urls.update(inst.url for inst in plan.decoders)  # an abort frees their leases
+        decoded = await asyncio.gather(*(self.videos.decode(req.request_id, data, item, list(plan.decoders))
+                                         for item, data in videos.values()))
+        return dict(zip(videos, decoded, strict=True))
 
     @staticmethod
     def _finished(inst: Instance, event: FinishedEvent, stage: Stage) -> TokenEvent:
@@ -269,27 +298,25 @@ class Orchestrator:
 
     async def _decode(self, req: GenerationRequest, kv: KVSource, mm_items: list[MMItemSpec],
                       footprint: Footprint, first: Instance | None = None,
-                      exclude: set[str] | None = None) -> AsyncIterator[TokenEvent]:
+                      exclude: set[str] | None = None, moves: int = 0) -> AsyncIterator[TokenEvent]:
         """Decode from a KV cache another instance offers: a prefill's hand-over, or a
         decode migrated mid-stream (EPDServe §3.2.4 role switching, or a drain). A decode
         instance that refuses before its first event (503: switching, draining, full) is
         passed over for another with the same KV; one that migrates the decode on hands a
         new KV, and the stream goes on there. Tokens append to the same client stream."""
-        excluded = set(exclude or ())
-        target, request_id = first, req.request_id
-        for hop_no in range(1, self.config.max_decode_hops + 1):
+        excluded = set(exclude or ())  # instances the decode left: never back there
+        refused: set[str] = set()  # 503s: passed over, tried again once nothing else takes it
+        target, request_id, attempt = first, req.request_id, 0
+        deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
+        while True:
+            attempt += 1
             if target is None:
-                candidates = self.registry.capable(Stage.DECODE, excluded)
-                if not candidates:
-                    self._decide(Stage.DECODE, "no_instance")
-                    raise BackendError(503, "no decode instance to continue the request on",
-                                       retry_after=self.config.retry_after_s)
-                target = self.chooser.choose(Stage.DECODE, candidates)
-                request_id = f"{req.request_id}.d{hop_no}"  # the old instance may still hold the old id
+                target = await self._decode_target(excluded, refused, deadline)
+                request_id = f"{req.request_id}.d{attempt}"  # the old instance may still hold the old id
                 footprint.ids.append(request_id)
             footprint.urls.add(target.url)
             sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
-                                mm_items=mm_items, kv_source=kv, sampling=req.sampling,
+                                mm_items=mm_items, kv_source=kv, sampling=req.sampling, grammar=req.grammar,
                                 timeout_s=self._deadline([Stage.DECODE], req))
             received = False
             relay = _Relay(req.sampling.n)
@@ -310,21 +337,42 @@ class Orchestrator:
                 log.info("request %s: %s refused the decode (%s); trying another", req.request_id,
                          target.url, failure)
                 self._decide(Stage.DECODE, "retried")
+                refused.add(target.url)
             else:
                 if not relay.migrated:
                     raise StageFailure(target, f"{target.url} ended the decode without finishing it",
                                        stage=Stage.DECODE)
+                moves += 1
+                if moves > self.config.max_decode_hops:
+                    raise StageFailure(target, f"decode moved more than {self.config.max_decode_hops} times",
+                                       stage=Stage.DECODE)
+                excluded.add(target.url)
                 log.info("request %s: decode migrated off %s", req.request_id, target.url)
-                if req.sampling.n > 1:
+                if req.sampling.n > 1:  # each migrated choice goes on by itself
                     async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
-                                                               excluded | {target.url}):
+                                                               excluded, moves):
                         yield event
                     return
                 kv = relay.migrated[0]
-            excluded.add(target.url)
+                deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
             target = None
-        raise StageFailure(first or Instance(url="?"), f"decode moved more than {self.config.max_decode_hops} times",
-                           stage=Stage.DECODE)
+
+    async def _decode_target(self, excluded: set[str], refused: set[str], deadline: float) -> Instance:
+        """A decode instance for a KV in hand: one that has not refused it, else (after a
+        pause) one that refused it before — a switch or a full queue passes. Until
+        `deadline`, waiting is safe: the KV's source holds it under its lease."""
+        loop, pause = asyncio.get_running_loop(), 0.02
+        while True:
+            candidates = self.registry.capable(Stage.DECODE, excluded | refused)
+            if candidates:
+                return self.chooser.choose(Stage.DECODE, candidates)
+            if loop.time() + pause > deadline:
+                self._decide(Stage.DECODE, "no_instance")
+                raise BackendError(503, "no decode instance to continue the request on",
+                                   retry_after=self.config.retry_after_s)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.5)
+            refused.clear()
 
     async def _encode_only(self, req: GenerationRequest, run: EncodeRun, images: dict[str, str],
                            mm_items: list[MMItemSpec], footprint: Footprint) -> list[MMSource]:
@@ -332,7 +380,7 @@ class Orchestrator:
         items = [m for m in mm_items if m.content_hash in run.images]
         sreq = StageRequest(request_id=req.request_id + ENCODE_ID_SUFFIX, stages=[Stage.ENCODE],
                             prompt_token_ids=req.prompt_token_ids, mm_items=items,
-                            images={h: images[h] for h in run.images},
+                            images={h: images[h] for h in run.images if h in images},
                             sampling=req.sampling, timeout_s=self.config.stage_timeout_s)
         footprint.urls.add(run.instance.url)
         async with aclosing(self.stages.run(run.instance, sreq, self.config.stage_timeout_s)) as events:
@@ -372,6 +420,14 @@ def _first_tokens(kv: KVSource) -> list[TokenEvent]:
     out += [TokenEvent(token_ids=[c.token], index=i, logprobs=[c.logprob] if c.logprob else None)
             for i, c in enumerate(kv.choices, start=1)]
     return out
+
+
+def _with_parts(items: list[MMItemSpec], encoded_here: Sequence[str],
+                parts: dict[str, list[VideoPart]]) -> list[MMItemSpec]:
+    """The items as one run sees them: a video it encodes carries its V-decoded parts (only
+    the encoding instance pulls them; each part's lease is confirmed once)."""
+    return [m.model_copy(update={"video_parts": parts[m.content_hash]})
+            if m.content_hash in parts and m.content_hash in encoded_here else m for m in items]
 
 
 def _public_failure(status: int) -> str:

@@ -23,7 +23,7 @@ log = logging.getLogger("triptych.router.protocol")
 
 MAX_N = 16  # choices (n or best_of) per request: each holds its own KV cache while it decodes
 
-Role = Literal["system", "developer", "user", "assistant"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class _Strict(BaseModel):
@@ -73,10 +73,56 @@ class VideoPart(_Strict):
 ContentPart = Annotated[TextPart | ImagePart | VideoPart, Field(discriminator="type")]
 
 
+# --- tools (router/tools.py) ----------------------------------------------------------
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; one that does not compile is a 400
+    strict: bool | None = None  # calls are grammar-forced to the schema either way
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None  # accepted, unused
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages (the Hermes format does not use it)
+    refusal: str | None = None  # accepted, unused (clients echo assistant messages back)
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.content is None and self.role == "assistant" and self.tool_calls:
+            self.content = ""
+        return self
 
 
 # --- requests --------------------------------------------------------------------------
@@ -87,9 +133,25 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM: usage on every chunk
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the grammar gives exactly the schema either way
+
+
+class ResponseFormat(_Strict):
+    """`text`, `json_object` or `json_schema` (router/structured.py compiles the grammar)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
 
 
 class _SamplingFields(BaseModel):
@@ -167,8 +229,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: passed to the chat template
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # harmless without tools
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -186,14 +248,13 @@ class ChatCompletionRequest(_SamplingFields):
         out = super().unsupported_fields()
         if self.top_logprobs and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs set to true"))
-        if self.tools or self.functions:
-            out.append(("tools" if self.tools else "functions", "tool calling is not supported"))
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            out.append(("tool_choice" if self.tool_choice not in (None, "none") else "function_call",
-                        "tool calling is not supported"))
-        if self.response_format is not None and self.response_format.type != "text":
-            out.append(("response_format", f"response_format {self.response_format.type!r} is not "
-                                           "supported (only 'text')"))
+        if self.functions:
+            out.append(("functions", "the deprecated functions field is not supported; use tools"))
+        if self.function_call not in (None, "none"):
+            out.append(("function_call", "the deprecated function_call field is not supported; use tool_choice"))
+        if self.tools and self.response_format is not None and self.response_format.type != "text" \
+                and self.tool_choice not in (None, "none", "auto"):
+            out.append(("response_format", "response_format cannot be combined with a forced tool_choice"))
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             out.append(("modalities", "only the 'text' output modality is supported"))
         for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
@@ -213,6 +274,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: ResponseFormat | None = None  # vLLM extra: structured output for completions
 
     def unsupported_fields(self) -> list[tuple[str, str]]:
         out = super().unsupported_fields()
@@ -234,7 +296,8 @@ class Usage(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -253,9 +316,19 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaToolCall(BaseModel):
+    """A streamed tool call: index, id, type and the function's name and arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict[str, str]
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

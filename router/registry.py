@@ -29,9 +29,17 @@ class Instance:
     instance_id: str = ""
     inflight: int = 0  # requests this router has on it now
     switching_to: str | None = None  # the role it is switching to (offload -> migrate -> onload)
+    # Bumped when a switch starts or ends: a probe answered across that moment describes the
+    # instance as it was and is dropped (a slow answer must not put back the old role).
+    epoch: int = 0
 
     def can_run(self, stage: Stage) -> bool:
         return self.ready and not self.draining and self.role is not None and self.role.runs(stage)
+
+    @property
+    def decodes_video(self) -> bool:
+        """A ready V instance (video decode; runs no E/P/D stage)."""
+        return self.ready and not self.draining and self.role is InstanceType.V
 
 
 @dataclass
@@ -52,6 +60,10 @@ class Registry:
     def capable(self, stage: Stage, exclude: set[str] = frozenset()) -> list[Instance]:
         return [i for i in self.instances.values() if i.can_run(stage) and i.url not in exclude]
 
+    def video_decoders(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
+        return sorted((i for i in self.instances.values() if i.decodes_video and i.url not in exclude),
+                      key=lambda i: i.url)
+
     def roles_summary(self) -> dict[str, dict[str, int]]:
         summary: dict[str, dict[str, int]] = {}
         for inst in self.instances.values():
@@ -68,9 +80,12 @@ class Registry:
         await self._probe(client, inst)
 
     async def _probe(self, client: httpx.AsyncClient, inst: Instance) -> None:
+        epoch = inst.epoch
         try:
             resp = await client.get(f"{inst.url}/health", timeout=self.timeout_s)
             body = resp.json()
+            if inst.epoch != epoch:
+                return
             role = body.get("role")
             inst.role = InstanceType(role) if role in InstanceType.__members__ else None
             inst.ready = resp.status_code == 200 and body.get("status") == "ok"
@@ -80,6 +95,8 @@ class Registry:
             inst.instance_id = str(body.get("instance_id", ""))
             inst.failures = 0
         except (httpx.HTTPError, ValueError) as exc:
+            if inst.epoch != epoch:
+                return
             inst.failures += 1
             inst.ready = False
             log.debug("health probe of %s failed: %s", inst.url, exc)
@@ -94,6 +111,7 @@ class Registry:
         if inst is not None:
             inst.switching_to = role
             inst.ready = inst.ready and role is None
+            inst.epoch += 1
 
     def mark_failed(self, url: str) -> None:
         """Take an instance out of rotation until its next successful probe."""

@@ -74,6 +74,9 @@ class Plan:
     hops: tuple[Hop, ...]  # then in order; the last one decodes
     placement: tuple[tuple[str, str], ...] = ()  # (content hash, URL of the instance encoding it)
     decisions: tuple[Decision, ...] = ()
+    # V instances that decode the request's videos (FlashCodec, paper 000 §3: one video's
+    # GOP sets spread over all of them); empty: the encoding instance decodes them itself.
+    decoders: tuple[Instance, ...] = ()
 
 
 @dataclass

@@ -23,6 +23,7 @@ from triptych.router.backend import BackendError
 from triptych.router.registry import Instance
 from triptych.router.routing_metrics import RoutingMetrics
 from triptych.stage_protocol import (
+    ROUTER_KEEPALIVE_EXPIRY_S,
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
@@ -44,7 +45,8 @@ def worker_client(internal_token: str | None) -> httpx.AsyncClient:
                     "started without --insecure-no-auth will refuse every stage call")
     headers = {"authorization": f"Bearer {internal_token}"} if internal_token else {}
     return httpx.AsyncClient(headers=headers,
-                             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+                             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256,
+                                                 keepalive_expiry=ROUTER_KEEPALIVE_EXPIRY_S))
 
 
 class StageFailure(Exception):

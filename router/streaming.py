@@ -31,6 +31,7 @@ from triptych.router.errors import OpenAIError, from_backend
 from triptych.router.logprobs import TokenText
 from triptych.router.metrics import FrontendMetrics, RequestTimer
 from triptych.router.protocol import ChatCompletionResponse, CompletionResponse
+from triptych.router.tools import ToolCallStream, parse_tool_calls
 from triptych.stage_protocol import TokenLogprob
 from triptych.stop_strings import StopMatcher
 
@@ -186,6 +187,7 @@ class Job:
     metrics: FrontendMetrics
     timer: RequestTimer = field(default_factory=RequestTimer)
     return_token_ids: bool = False
+    parse_tools: bool = False  # chat with tools: `<tool_call>` blocks become tool_calls (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
     logprobs: bool = False
     token_text: TokenText | None = None
@@ -277,16 +279,8 @@ async def collect(job: Job, pump: EventPump) -> dict[str, Any]:
         await pump.close()
     _finished(job)
     scores = [sum(e.logprob for e in es) for es in entries]
-    choices: list[dict[str, Any]] = []
-    for out_index, i in enumerate(_best(job, scores)):
-        choice = job.choices[i]
-        lp = job.render_logprobs(choice, entries[i])
-        if job.chat:
-            item: dict[str, Any] = {"index": out_index, "message": {"content": "".join(text[i])},
-                                    "logprobs": lp, "finish_reason": choice.finish}
-        else:
-            item = {"index": out_index, "text": "".join(text[i]), "logprobs": lp, "finish_reason": choice.finish}
-        choices.append(item)
+    choices = [_choice_item(job, out_index, i, "".join(text[i]), entries[i])
+               for out_index, i in enumerate(_best(job, scores))]
     if job.chat:
         body: Any = ChatCompletionResponse(id=job.request_id, created=job.created, model=job.model,
                                            usage=_usage(job), choices=choices)
@@ -294,10 +288,32 @@ async def collect(job: Job, pump: EventPump) -> dict[str, Any]:
         body = CompletionResponse(id=job.request_id, created=job.created, model=job.model, usage=_usage(job),
                                   choices=choices)
     data = body.model_dump()
+    for item in data["choices"] if job.chat else []:
+        if item["message"]["tool_calls"] is None:
+            del item["message"]["tool_calls"]  # as OpenAI: no key when there is no call
     if job.return_token_ids:
         for item, i in zip(data["choices"], _best(job, scores), strict=True):
             item["token_ids"] = token_ids[i]
     return data
+
+
+def _choice_item(job: Job, out_index: int, i: int, content: str, entries: list[TokenLogprob]) -> dict[str, Any]:
+    """Choice `i` of a non-streaming response, returned at `out_index`; with tools, its
+    `<tool_call>` blocks parsed into tool_calls (each choice on its own)."""
+    choice = job.choices[i]
+    lp = job.render_logprobs(choice, entries)
+    if not job.chat:
+        return {"index": out_index, "text": content, "logprobs": lp, "finish_reason": choice.finish}
+    message: dict[str, Any] = {"content": content, "tool_calls": None}
+    finish = choice.finish
+    if job.parse_tools:
+        message["content"], calls = parse_tool_calls(content)
+        if calls and finish == "stop":
+            finish = "tool_calls"
+        for call in calls:
+            del call["index"]  # a message's calls carry no index (deltas do)
+        message["tool_calls"] = calls or None
+    return {"index": out_index, "message": message, "logprobs": lp, "finish_reason": finish}
 
 
 def _finished(job: Job) -> None:
@@ -307,11 +323,13 @@ def _finished(job: Job) -> None:
 
 def _chunk(job: Job, text: str | None, finish: str | None, include_usage: bool,
            role: bool = False, usage: dict[str, int] | None = None, ids: list[int] | None = None,
-           index: int = 0, lps: Any = None) -> dict[str, Any]:
+           index: int = 0, lps: Any = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     if job.chat:
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
@@ -326,6 +344,18 @@ def _chunk(job: Job, text: str | None, finish: str | None, include_usage: bool,
     return chunk
 
 
+def _feed_tools(calls: ToolCallStream, piece: Piece) -> list[dict[str, Any]]:
+    """Run `piece` through its choice's tool-call parser: the piece keeps the text that is
+    not a call (and finish_reason 'tool_calls' when it ends a choice that made calls);
+    the new tool_call deltas are returned."""
+    piece.text, new_calls = calls.feed(piece.text)
+    if piece.finish is not None:
+        piece.text += calls.finish()
+        if calls.calls and piece.finish == "stop":
+            piece.finish = "tool_calls"
+    return new_calls
+
+
 async def sse_body(job: Job, pump: EventPump, scope: dict[str, Any], include_usage: bool,
                    continuous: bool) -> AsyncIterator[bytes]:
     """The SSE body. Ends with `data: [DONE]` on success and on failure (after an error
@@ -338,10 +368,19 @@ async def sse_body(job: Job, pump: EventPump, scope: dict[str, Any], include_usa
         if job.chat:
             for index in range(len(job.choices)):
                 yield sse(_chunk(job, "", None, include_usage, role=True, usage=usage_now(), index=index))
+        # With tools, each choice's text goes through its own tool-call parser (tools.py).
+        streams = [ToolCallStream() if job.chat and job.parse_tools else None for _ in job.choices]
         async for piece in _pieces(job, pump):
+            calls = streams[piece.index]
+            new_calls: list[dict[str, Any]] = []
+            if calls is not None:
+                new_calls = _feed_tools(calls, piece)
+                if not piece.text and not new_calls and piece.finish is None \
+                        and not (piece.ids and (job.return_token_ids or job.logprobs)):
+                    continue  # held back: maybe the start of a tool call
             lps = job.render_logprobs(job.choices[piece.index], piece.logprobs)
             yield sse(_chunk(job, piece.text, piece.finish, include_usage, usage=usage_now(), ids=piece.ids,
-                             index=piece.index, lps=lps))
+                             index=piece.index, lps=lps, tool_calls=new_calls))
         await pump.close()
         _finished(job)
         if include_usage:

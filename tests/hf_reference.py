@@ -110,16 +110,29 @@ def hf_prompt_ids(model_dir: str | Path, messages: list[dict], images: list[Imag
 
 
 def hf_generate(model_dir: str | Path, messages: list[dict], images: list[Image.Image],
-                max_new_tokens: int) -> list[int]:
-    """Greedy completion token ids (prompt excluded), fp32, batch 1; stops at EOS."""
+                max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """Greedy completion token ids (prompt excluded), fp32, batch 1; stops at EOS unless
+    `ignore_eos` (vLLM's meaning: EOS may be generated, it just does not stop)."""
+    import copy
+
     import torch
+    from transformers.utils import logging as hf_logging
 
     model_dir = str(model_dir)
     with _LOCK, torch.inference_mode():
         model = hf_model(model_dir)
         inputs = hf_inputs(model_dir, messages, images)
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                             num_beams=1, repetition_penalty=1.0)
+        config = copy.deepcopy(model.generation_config)
+        if ignore_eos:
+            config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+            config.eos_token_id = [-1]  # no token stops it (None falls back to the model's EOS)
+        config.update(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, repetition_penalty=1.0)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # it warns on the -1 EOS of every ignore_eos call
+        try:
+            out = model.generate(**inputs, generation_config=config)
+        finally:
+            hf_logging.set_verbosity(verbosity)
         return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 

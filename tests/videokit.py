@@ -96,3 +96,14 @@ def expected_ids(model_dir: Path, case: VideoCase) -> list[int]:
         out = hf_model(str(model_dir)).generate(**inputs, max_new_tokens=case.max_tokens, do_sample=False,
                                                 num_beams=1)
     return out[0, ids.shape[1]:].tolist()
+
+
+@cache
+def undecodable_clip(seed: int = 3) -> bytes:
+    """A clip whose container demuxes (the router counts its tokens) but whose frames after
+    the first GOP are garbage: only decoding finds out (a V or encode instance's 400)."""
+    good = bytearray(clip(seed))
+    gops = index_video(bytes(good)).gops
+    for i in range(gops[1].byte_offset, gops[-1].byte_offset):
+        good[i] = 0xFF
+    return bytes(good)

@@ -129,6 +129,24 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_lazy("triptych.bench.idle_cpu:cli_main"))
     _add_bench_video(bsub)
+    _add_bench_switch(bsub)
+
+
+def _add_bench_switch(bsub: argparse._SubParsersAction) -> None:
+    w = bsub.add_parser("switch", help="role switch times (POST /admin/role) idle and under streams")
+    w.add_argument("--topology", default="2E2P2D")
+    w.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    w.add_argument("--concurrency", type=int, default=16, help="streams running during each loaded switch")
+    w.add_argument("--output-len", type=int, default=64, help="tokens per request (ignore_eos)")
+    w.add_argument("--images", type=int, default=1, help="images per request")
+    w.add_argument("--min-running", type=int, default=2,
+                   help="a D->X switch waits until the instance runs this many decodes")
+    w.add_argument("--switch-after", type=float, default=0.3, help="seconds into the load before other switches")
+    w.add_argument("--settle", type=float, default=1.5, help="seconds between switches (router poll)")
+    w.add_argument("--instance-cpus", type=_cpus, default=None, metavar="X", help="cap every instance at X CPUs")
+    w.add_argument("--request-timeout", type=float, default=180.0)
+    w.add_argument("--json", action="store_true")
+    w.set_defaults(func=_lazy("triptych.bench.switch:cli_main"))
 
 
 def _add_bench_video(bsub: argparse._SubParsersAction) -> None:
@@ -143,12 +161,18 @@ def _add_bench_video(bsub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-frames", type=int, default=768)
     v.add_argument("--decoders", type=int, nargs="+", default=None, help="k values (default: 1 2 cores)")
     v.add_argument("--repeats", type=int, default=3)
+    v.add_argument("--v-instances", type=int, default=2,
+                   help="V instances (worker --role V processes) for the serving-path row; 0: skip it")
+    v.add_argument("--v-threads", type=int, default=1, help="decoder threads per V instance")
+    v.add_argument("--model", default=None,
+                   help="checkpoint whose processor config the V row patchifies with (default: tiny Qwen2-VL)")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=_lazy("triptych.worker.video.bench:cli_main"))
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="run one engine instance (FastAPI)")
+    p = sub.add_parser("worker", help="run one engine instance (FastAPI); --role V: a video decoder "
+                                      "instance (no model weights)")
     p.add_argument("--model", required=True)
     p.add_argument("--role", choices=ROLE_CHOICES, default="unassigned")
     p.add_argument("--host", default="127.0.0.1")
@@ -162,6 +186,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     p.add_argument("--lease-seconds", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--decode-threads", type=int, default=2,
+                   help="image decode threads; on a V instance, its video decoder threads")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--token-budget", type=int, default=None, help="tokens per step (default: from SLO or 2048)")
     p.add_argument("--image-budget", type=int, default=None, help="images encoded per step")
@@ -176,7 +202,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
                    help="file holding the admin token (else TRIPTYCH_ADMIN_TOKEN): /admin/* needs it")
     p.add_argument("--insecure-no-auth", action="store_true",
                    help="start without an internal token: /internal and /admin open to anyone (local tests only)")
-    p.set_defaults(func=_lazy("triptych.worker.server:cli_main"))
+    p.set_defaults(func=_lazy("triptych.worker.launch:cli_main"))
 
 
 def _add_router(sub: argparse._SubParsersAction) -> None:

@@ -23,6 +23,13 @@ from triptych.topology import Stage
 
 Handle = dict[str, Any]  # a serialised transfer BlockHandle; opaque outside the worker
 
+# Keep-alive: the router closes an idle connection to a worker well before the worker
+# would. Were the two equal (httpx and uvicorn both default to 5 s), the router could send
+# a stage call on a connection the worker is closing that instant, and the hop would fail
+# with an empty ReadError although the worker is healthy.
+ROUTER_KEEPALIVE_EXPIRY_S = 30.0
+WORKER_KEEPALIVE_TIMEOUT_S = 75
+
 
 class VideoOptions(BaseModel):
     """How the router sampled and sized a video (vLLM-style `mm_processor_kwargs`, resolved
@@ -44,6 +51,34 @@ class VideoOptions(BaseModel):
         return {k: v for k in keys if (v := getattr(self, k)) is not None}
 
 
+# V instances (video decode, FlashCodec paper 000 §3): the router uploads a video's bytes
+# to a V instance once (`PUT /internal/video/{video_id}`), then sends it GOP sets
+# (`POST /internal/video/segment`); the V instance decodes and patchifies each set and
+# answers with a `VideoPart`: a handle on its registered video buffer, pulled by the encode
+# instance like an embedding (HydraInfer §4.3 pull-based migration: lease, READ, confirm).
+VIDEO_ROWS_PER_BLOCK = 64  # patch rows per block of the video buffers (V source, E staging)
+
+
+class VideoPart(BaseModel):
+    """One decoded GOP set of a video as pixel patches held by a V instance."""
+
+    index: int = Field(ge=0)  # the segment's position in the video
+    num_frames: int = Field(ge=1)  # sampled frames it holds
+    rows: int = Field(ge=1)  # patch rows: grid_thw[0] * grid_thw[1] * grid_thw[2]
+    grid_thw: tuple[int, int, int]
+    handle: Handle  # blocks of VIDEO_ROWS_PER_BLOCK rows in the V's "video" region
+
+
+class VideoSegmentRequest(BaseModel):
+    """Decode one GOP set (`segment`: a worker.video.Segment as JSON) of an uploaded video and
+    patchify it with the item's resolved options (pixel bounds)."""
+
+    request_id: str
+    video_id: str
+    segment: dict[str, Any]
+    options: VideoOptions = VideoOptions()
+
+
 class MMItemSpec(BaseModel):
     """One image (or video) of a prompt, located by its placeholder run."""
 
@@ -54,6 +89,8 @@ class MMItemSpec(BaseModel):
     grid_thw: tuple[int, int, int] | None = None
     second_per_grid_t: float | None = None  # Qwen2.5-VL videos: M-RoPE temporal spacing
     video: VideoOptions | None = None  # videos: how to sample and size the frames
+    # videos decoded on V instances: the parts to pull, in order (no bytes are sent then)
+    video_parts: list[VideoPart] | None = None
 
     @classmethod
     def of(cls, item: Any) -> MMItemSpec:
@@ -125,6 +162,10 @@ class StageRequest(BaseModel):
     mm_sources: list[MMSource] = []
     kv_source: KVSource | None = None
     sampling: SamplingParams = SamplingParams()
+    # An llguidance grammar (JSON or Lark text; structured output, forced tool calls): every
+    # instance that samples for the request masks with it, a decode that takes over replays
+    # the tokens sampled before it (worker/engine/guided.py).
+    grammar: str | None = None
     timeout_s: float = Field(default=300.0, gt=0)
 
 

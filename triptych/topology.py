@@ -1,7 +1,9 @@
 """Instance types, roles and the topology grammar shared by CLI, router, worker and operator.
 
 An instance type names the stages an instance runs (HydraInfer §4.4): E (encode),
-P (prefill), D (decode) and the hybrids EP, ED, PD, EPD. The same tokens are used by
+P (prefill), D (decode) and the hybrids EP, ED, PD, EPD; and V, the video decoder
+(FlashCodec, paper 000 §3), which runs none of them and loads no model weights: it decodes
+GOP-aligned segments of videos for the encode instances. The same tokens are used by
 `triptych serve --topology`, the worker `--role`, the pod label `triptych.dev/role` and
 the CRD's `spec.topology` keys.
 """
@@ -30,10 +32,15 @@ class InstanceType(StrEnum):
     ED = "ED"
     PD = "PD"
     EPD = "EPD"
+    V = "V"  # video decode only: no E/P/D stage, no model weights
 
     @property
     def stages(self) -> frozenset[Stage]:
-        return frozenset(_STAGE_LETTER[c] for c in self.value)
+        return frozenset(_STAGE_LETTER[c] for c in self.value if c in _STAGE_LETTER)
+
+    @property
+    def decodes_video(self) -> bool:
+        return self is InstanceType.V
 
     def runs(self, stage: Stage) -> bool:
         return stage in self.stages
@@ -47,6 +54,8 @@ class InstanceType(StrEnum):
         return bool(self.stages & {Stage.PREFILL, Stage.DECODE})
 
 
+# The instance types that run E/P/D stages (a role switch moves between these; V is its own pool).
+STAGE_TYPES: tuple[InstanceType, ...] = tuple(t for t in InstanceType if t.stages)
 UNASSIGNED = "unassigned"
 ROLE_CHOICES: tuple[str, ...] = (*(t.value for t in InstanceType), UNASSIGNED)
 
@@ -86,13 +95,16 @@ def parse_topology(spec: str) -> dict[InstanceType, int]:
 
 def validate_coverage(counts: dict[InstanceType, int]) -> None:
     """Every request needs prefill and decode somewhere. Encode is needed only for images:
-    a deployment without it serves text (image requests then get a 503 naming the stage)."""
+    a deployment without it serves text (image requests then get a 503 naming the stage).
+    V instances only help an encode instance: V without any encode-capable type is refused."""
     stages = set().union(*(t.stages for t, n in counts.items() if n > 0)) if counts else set()
     missing = [s.value for s in (Stage.PREFILL, Stage.DECODE) if s not in stages]
     if missing:
         raise TopologyError(f"topology runs no instance for stage(s): {', '.join(missing)}")
+    if counts.get(InstanceType.V) and Stage.ENCODE not in stages:
+        raise TopologyError("V instances decode video for an encode instance; the topology has none")
 
 
 def format_topology(counts: dict[InstanceType, int]) -> str:
-    order = [InstanceType(t) for t in ("E", "EP", "ED", "EPD", "P", "PD", "D")]
+    order = [InstanceType(t) for t in ("V", "E", "EP", "ED", "EPD", "P", "PD", "D")]
     return "".join(f"{counts[t]}{t.value}" for t in order if counts.get(t))

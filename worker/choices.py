@@ -130,11 +130,20 @@ async def _fork(inst: InstanceRuntime, sreq: StageRequest, starts: list[Start], 
     params = sreq.sampling
     if seed is None and not params.greedy:
         seed = random.getrandbits(63)  # unseeded: still one stream per choice
+    try:
+        guides = await _choice_guides(engine, sreq.grammar, starts)
+    except RequestValidationError as exc:
+        if owned:
+            engine.free_kv(block_ids)
+        yield _line(ErrorEvent(status=http_status(exc), message=str(exc)))
+        return
     live: list[int] = []
     for i, (token, lp) in enumerate(starts):
         if announce:
             yield _line(TokensEvent(token_ids=[token], logprobs=[lp] if lp is not None else None, index=i))
         reason = first_token_ends(token, params, engine.eos_ids, num_tokens, engine.max_model_len)
+        if reason is None and guides[i] is not None and guides[i].finished:
+            reason = "stop"  # the grammar accepted the first token and nothing can follow
         if reason is not None:
             yield _line(FinishedEvent(finish_reason=reason, index=i))
         else:
@@ -147,7 +156,9 @@ async def _fork(inst: InstanceRuntime, sreq: StageRequest, starts: list[Start], 
                                             "sampling": params.for_choice(i, seed)})
             children.append((i, child, Request(child.request_id, child.prompt_token_ids, child.sampling,
                                                mm_items=child.mm_items, stages=frozenset({Stage.DECODE}),
-                                               prefilled=PrefilledKV(blocks, num_tokens, starts[i][0]))))
+                                               prefilled=PrefilledKV(blocks, num_tokens, starts[i][0]),
+                                               grammar=child.grammar)))
+            children[-1][2].guide = guides[i]
     except BaseException as exc:
         for _, _, child_req in children:
             engine.free_kv(child_req.prefilled.block_ids)  # type: ignore[union-attr]
@@ -161,6 +172,16 @@ async def _fork(inst: InstanceRuntime, sreq: StageRequest, starts: list[Start], 
         engine.free_kv(block_ids)
     async for line in _merge(inst, children):
         yield line
+
+
+async def _choice_guides(engine: Any, grammar: str | None, starts: list[Start]) -> list[Any]:
+    """Each choice's own grammar matcher (guided.py), replayed from its own first token: the
+    choices share the grammar, not the state. Built in worker threads (see stage_run.build_guide)."""
+    if grammar is None or engine.language is None:
+        return [None] * len(starts)
+    guides = engine.admission.guides
+    return list(await asyncio.gather(*(asyncio.to_thread(guides.matcher, grammar, [token])
+                                       for token, _ in starts)))
 
 
 async def _merge(inst: InstanceRuntime, children: list[tuple[int, StageRequest, Request]]) -> AsyncIterator[bytes]:

@@ -15,6 +15,7 @@ from triptych.worker.engine.engine import Engine, EngineConfig
 from triptych.worker.migration import MigrationService
 from triptych.worker.settings import WorkerSettings
 from triptych.worker.transfer import TransferEngine
+from triptych.worker.video_pull import VideoPuller
 
 log = logging.getLogger("triptych.worker.instance")
 
@@ -35,7 +36,9 @@ class InstanceRuntime:
         self.target_role: str | None = None
         self.inflight = 0
         self.preparing = 0  # stage runs pulling their inputs (not yet in the engine)
+        # Staging for video patches pulled from V instances (allocated at the first such video).
         self.transfer_bytes: dict[str, int] = {}  # transport -> bytes pulled, across roles
+        self.video_puller = VideoPuller(settings.video_buffer_mb << 20, self.transfer_bytes)
         self._switch_lock = asyncio.Lock()
         # Image decode and preprocessing run here, never on the event loop (admission.py).
         self.decode_pool = DecodePool(settings.decode_threads, settings.decode_queue)

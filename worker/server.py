@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
-from triptych.stage_protocol import RoleSwitch, StageRequest
+from triptych.stage_protocol import WORKER_KEEPALIVE_TIMEOUT_S, RoleSwitch, StageRequest
 from triptych.topology import UNASSIGNED, InstanceType
 from triptych.worker import choices
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
@@ -36,7 +36,7 @@ from triptych.worker.errors import BadPayloadError, NotServingError, OverloadedE
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import InstanceCollector
 from triptych.worker.migration import MigrationError
-from triptych.worker.settings import WorkerSettings, settings_from_serving_config
+from triptych.worker.settings import WorkerSettings, settings_from_args
 from triptych.worker.stage_run import prepare, stream
 
 log = logging.getLogger("triptych.worker.server")
@@ -102,6 +102,9 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         if body.role != UNASSIGNED and body.role not in InstanceType.__members__:
             return _error(400, f"unknown role {body.role!r}; expected one of "
                                f"{', '.join(t.value for t in InstanceType)} or {UNASSIGNED}")
+        if body.role == InstanceType.V.value:  # a video decoder is its own process (no engine)
+            return _error(409, "V (video decode) is not a role an engine instance switches to; start a "
+                               "worker with --role V")
         try:
             report = await inst.switch(body.role)
         except Exception as exc:  # a failed load leaves the instance unassigned, and says why
@@ -175,17 +178,7 @@ def cli_main(args: argparse.Namespace) -> int:
     threads = args.threads or int(os.environ.get("TRIPTYCH_THREADS", "0")) or None
     if threads:
         torch.set_num_threads(threads)
-    from_file = settings_from_serving_config(args.config) if args.config else {}
-    flags = {"max_model_len": args.max_model_len, "token_budget": args.token_budget,
-             "image_budget": args.image_budget, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}
-    settings = WorkerSettings(**{
-        "dtype": args.dtype, "block_size": args.block_size, **from_file,
-        **{k: v for k, v in flags.items() if v is not None},
-        "model": str(args.model), "role": args.role,
-        "instance_id": args.instance_id or f"{args.role}-{args.port}", "device": args.device,
-        "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
-        "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
-        "pull_timeout_s": min(20.0, args.lease_seconds * 0.66)})
+    settings = settings_from_args(args)
     try:
         auth = WorkerAuth.load(args.internal_token_file, args.admin_token_file, args.insecure_no_auth)
     except MissingTokenError as exc:
@@ -194,6 +187,6 @@ def cli_main(args: argparse.Namespace) -> int:
         log.warning("--insecure-no-auth: /internal and /admin are open to anyone who can connect")
     app = create_app(settings, auth)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=30, timeout_keep_alive=WORKER_KEEPALIVE_TIMEOUT_S)
     DrainingServer(config, app.state.instance).run()
     return 0

@@ -3,6 +3,7 @@ config file (TRIPTYCH_CONFIG) that can set engine limits and budgets."""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -29,6 +30,10 @@ class WorkerSettings(BaseModel):
     # get 503. Generous: the router takes a 503 as this instance failing (out of rotation
     # until its next probe), so it must mean a real overload, not a burst.
     decode_queue: int = 128
+    # Video buffers (worker/video_buffer.py): a V instance's decoded patches awaiting pulls,
+    # an encode instance's staging for the patches it pulls; a V's held uploads.
+    video_buffer_mb: int = 256
+    video_cache_mb: int = 512
     max_model_len: int | None = None
     token_budget: int | None = None
     image_budget: int | None = None
@@ -56,3 +61,19 @@ def settings_from_serving_config(path: str) -> dict[str, Any]:
     elif slo:
         out.update(ttft_slo_s=slo.get("ttftMs", 2000) / 1000, tbt_slo_s=slo.get("tbtMs", 200) / 1000)
     return out
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    """`triptych worker` flags over the serving config file (flags win)."""
+    from_file = settings_from_serving_config(args.config) if args.config else {}
+    flags = {"max_model_len": args.max_model_len, "token_budget": args.token_budget,
+             "image_budget": args.image_budget, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}
+    return WorkerSettings(**{
+        "dtype": args.dtype, "block_size": args.block_size, **from_file,
+        **{k: v for k, v in flags.items() if v is not None},
+        "model": str(args.model), "role": args.role,
+        "instance_id": args.instance_id or f"{args.role}-{args.port}", "device": args.device,
+        "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
+        "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
+        "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
+        "decode_threads": getattr(args, "decode_threads", 2)})

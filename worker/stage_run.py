@@ -73,9 +73,11 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
             prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token,
                                     generated=list(src.generated))
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
-                      images=images, stages=frozenset(sreq.stages), prefilled=prefilled)
+                      images=images, stages=frozenset(sreq.stages), prefilled=prefilled,
+                      grammar=sreq.grammar)
         req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
         await _decode_videos(inst, sreq, req)
+        await build_guide(engine, req)
     except BaseException:
         migration.release_embeddings(reserved)
         if prefilled is not None:
@@ -93,8 +95,27 @@ async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request
     videos = inst.engine.admission.videos
     for item in req.mm_items:
         h = item.content_hash
-        if item.kind == "video" and h in req.images and h not in req.vision_inputs:
+        if item.kind != "video" or h in req.vision_inputs:
+            continue
+        if item.video_parts and h not in req.images:  # decoded on V instances: pull the patches
+            assert inst.transfer is not None
+            rows, grid = await asyncio.to_thread(inst.video_puller.pull, inst.transfer, item.video_parts,
+                                                 videos.patch_dim, inst.settings.pull_timeout_s)
+            req.vision_inputs[h] = videos.from_parts(rows, grid, item)
+        elif h in req.images:
             req.vision_inputs[h] = await asyncio.to_thread(videos.prepare, req.images[h], item)
+
+
+async def build_guide(engine: Any, req: Request) -> None:
+    """Compile the request's grammar (and the tokenizer index, once) in a worker thread: a
+    large schema takes a while, and the event loop serves every other stream meanwhile.
+    Admission finds the matcher ready; a grammar error is a 400 (guided.GrammarError)."""
+    if req.grammar is None or engine.language is None or Stage.DECODE not in req.stages \
+            and Stage.PREFILL not in req.stages:
+        return
+    pre = req.prefilled
+    replay = [*pre.generated, pre.first_token] if pre is not None else []
+    req.guide = await asyncio.to_thread(engine.admission.guides.matcher, req.grammar, replay)
 
 
 def _tokens_event(tokens: list[int], out: RequestOutput) -> TokensEvent:

@@ -23,7 +23,7 @@ from triptych.operator.crd import (
     structural_problems,
     to_structural,
 )
-from triptych.topology import InstanceType
+from triptych.topology import STAGE_TYPES, InstanceType
 
 K8S_VERSIONS = ("1.33", kubernetes_validate.latest_version())
 
@@ -121,7 +121,7 @@ def with_(**changes: Any) -> dict[str, Any]:
 def test_defaults() -> None:
     spec = parse_spec(BASE, name="demo")
     (pool,) = spec.effective_pools()
-    assert pool.name == "workers" and set(pool.instance_types) == set(InstanceType)
+    assert pool.name == "workers" and set(pool.instance_types) == set(STAGE_TYPES)
     assert pool.image == names.DEFAULT_IMAGE and pool.port == names.WORKER_PORT
     assert spec.router.replicas == 1 and spec.transfer.backend == "nixl"
     assert spec.slo.attainment_target == 0.9 and spec.scheduling.budgets == "FromSLO"

@@ -5,11 +5,14 @@ event is passed over for another with the same KV. Against fake workers (fakewor
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from fakeworkers import FakeCluster, collect, expected_tokens, request, status
 
 from triptych.router.backend import BackendError
 from triptych.stage_protocol import KVSource, MigratingEvent
+from triptych.topology import Stage
 
 
 def migrate_after(count: int):
@@ -48,5 +51,74 @@ async def test_a_migration_with_no_decode_instance_left_ends_the_request():
     async with FakeCluster("1P1D") as cluster:
         cluster["d0"].script(migrate_after(2))
         with pytest.raises(BackendError) as err:
-            await collect(cluster.orchestrator(), request(max_tokens=8))
+            await collect(cluster.orchestrator(decode_wait_s=0.3), request(max_tokens=8))
         assert err.value.status_code == 503
+
+
+async def test_the_only_decode_instance_refusing_for_a_while_is_waited_for():
+    """A switch or a full queue ends: with the KV held under its lease, the router tries
+    the refusing instance again after a pause instead of failing a started stream."""
+    async with FakeCluster("1P1D") as cluster:
+        cluster["d0"].script(status(503), status(503))
+        tokens, finish = await collect(cluster.orchestrator(decode_wait_s=5.0), request(max_tokens=6))
+        assert tokens == expected_tokens(request(max_tokens=6)) and finish == "length"
+        assert [r.id for r in cluster["d0"].runs] == ["req", "req.d2", "req.d3"]
+        assert len({r.request.kv_source.model_dump_json() for r in cluster["d0"].runs}) == 1  # the same KV
+        assert len(cluster["p0"].runs) == 1  # no new prefill
+
+
+async def test_a_decode_instance_the_registry_lost_for_a_moment_is_waited_for():
+    """Under load a /health probe can time out and take the only D out of the registry
+    for a moment; a stream with its KV in hand waits for it to come back."""
+    async with FakeCluster("1P1D") as cluster:
+        d0 = next(i for i in cluster.registry.instances.values() if i.can_run(Stage.DECODE))
+
+        def vanish(sreq, normal) -> int:  # refused, and gone from the registry for 0.3 s
+            d0.ready = False
+            asyncio.get_running_loop().call_later(0.3, setattr, d0, "ready", True)
+            return 503
+
+        cluster["d0"].script(vanish)
+        tokens, _ = await collect(cluster.orchestrator(decode_wait_s=5.0), request(max_tokens=6))
+        assert tokens == expected_tokens(request(max_tokens=6))
+        assert [r.id for r in cluster["d0"].runs] == ["req", "req.d2"]
+
+
+async def test_a_migrated_choice_goes_on_through_the_bounded_decode_wait():
+    """n > 1: one choice finishes where it is, another migrates; that choice goes on alone
+    (`<id>.c1`) through `_decode`: the only other decode instance refuses it (503) at first
+    and is tried again after a pause, within decode_wait_s, with the choice's own KV."""
+    from dataclasses import replace
+
+    from triptych.stage_protocol import FinishedEvent, TokensEvent
+
+    runs: list[str] = []
+
+    def script_of(name: str):
+        return lambda sreq, normal: script(name, sreq, normal)
+
+    def script(name, sreq, normal):
+        runs.append(sreq.request_id)
+        if sreq.request_id == "req":  # choice 0 runs to the end; choice 1 moves after one token
+            tokens = [e.token_ids[0] for e in normal if isinstance(e, TokensEvent)]
+            kv = KVSource(handle={"agent": name, "request_id": "req"}, num_tokens=len(sreq.prompt_token_ids) + 1,
+                          first_token=tokens[0], generated=[sreq.kv_source.first_token])
+            return [*normal[:-1], FinishedEvent(finish_reason="length"), TokensEvent(token_ids=[tokens[0]], index=1),
+                    MigratingEvent(kv=kv, index=1)]
+        return 503 if len(runs) == 2 else normal
+
+    async with FakeCluster("1P2D") as cluster:
+        cluster["d0"].script(script_of("d0"), script_of("d0"))
+        cluster["d1"].script(script_of("d1"), script_of("d1"))
+        req = request(max_tokens=6)
+        req = replace(req, sampling=req.sampling.model_copy(update={"n": 2}))
+        by_choice: dict[int, list[int]] = {0: [], 1: []}
+        finish: dict[int, str | None] = {}
+        async for event in cluster.orchestrator(decode_wait_s=5.0).generate(req):
+            by_choice[event.index] += event.token_ids
+            finish[event.index] = event.finish_reason or finish.get(event.index)
+        answer = expected_tokens(request(max_tokens=6))
+        assert by_choice == {0: answer, 1: answer[1:]} and finish == {0: "length", 1: "length"}
+        assert runs == ["req", "req.c1.d1", "req.c1.d2"]
+        cont = [r for w in ("d0", "d1") for r in cluster[w].runs if r.id == "req.c1.d2"][0]
+        assert cont.request.kv_source.first_token == answer[1] and cont.request.sampling.n == 1

@@ -180,3 +180,29 @@ def test_plan_request_places_images_by_affinity_first():
     plan = plan_request(reg, Chooser(), ["a"], affinity=index)
     assert plan.encodes == () and plan.hops[0].stages == (Stage.ENCODE, Stage.PREFILL)
     assert plan.hops[0].images == ("a",)
+
+
+async def test_a_probe_answered_across_a_switch_does_not_restore_the_old_role() -> None:
+    """A /health answer sent before a switch began (role D, ok) that arrives after the
+    router marked the instance switching must not put it back in rotation as a D."""
+    import asyncio
+
+    import httpx
+
+    answer_now = asyncio.Event()
+
+    async def health(request: httpx.Request) -> httpx.Response:
+        await answer_now.wait()
+        return httpx.Response(200, json={"role": "D", "status": "ok", "instance_id": "D-0", "load": 0})
+
+    registry = Registry(urls=["http://d0"])
+    inst = registry.instances["http://d0"]
+    async with httpx.AsyncClient(transport=httpx.MockTransport(health)) as client:
+        probe = asyncio.create_task(registry.refresh(client))
+        await asyncio.sleep(0.05)  # the probe is waiting for its answer
+        registry.mark_switching("http://d0", "P")
+        answer_now.set()
+        await probe
+        assert not inst.ready and inst.switching_to == "P" and not inst.can_run(Stage.DECODE)
+        await registry.refresh(client)  # a probe sent after the mark is believed
+        assert inst.ready and inst.role == InstanceType.D

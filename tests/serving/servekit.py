@@ -42,6 +42,7 @@ class Case:
     stream: bool
     seed_base: int = 0
     pngs: list[bytes] = field(default_factory=list)
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         self.pngs = [png_bytes(img) for img in self.images]
@@ -58,7 +59,7 @@ class Case:
         content.append({"type": "text", "text": self.prompt})
         return {"model": model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": self.max_tokens, "temperature": 0, "stream": self.stream,
-                "return_token_ids": True}
+                "return_token_ids": True, **({"ignore_eos": True} if self.ignore_eos else {})}
 
 
 SIZES = [(56, 56), (84, 56), (56, 112), (112, 84)]
@@ -75,7 +76,7 @@ def make_cases(n: int = 16, max_tokens: int = 8, seed_base: int = 0) -> list[Cas
 
 
 def expected_ids(model_dir: Path, case: Case) -> list[int]:
-    return hf_generate(model_dir, case.hf_messages(), case.images, case.max_tokens)
+    return hf_generate(model_dir, case.hf_messages(), case.images, case.max_tokens, ignore_eos=case.ignore_eos)
 
 
 def start(model_dir: Path, topology: str, tmp: Path, **kwargs: Any) -> LocalDeployment:

@@ -201,3 +201,22 @@ def test_role_switch_unassigned_to_p_then_d(tmp_path: Path) -> None:
             assert s["role"] == role and s["counters"][counter] > 0
         bad = httpx.post(f"{u.url}/admin/role", json={"role": "XYZ"}, headers=dep.admin_headers)
         assert bad.status_code == 400
+
+
+def test_worker_keeps_an_idle_connection_longer_than_the_router_does(epd3) -> None:
+    """A worker keeps an idle keep-alive connection open past httpx's and uvicorn's 5 s
+    default, so the router (which drops idle connections first) never sends a stage call
+    on a connection the worker is closing: such a hop failed mid-stream with an empty
+    ReadError while the worker was healthy."""
+    import socket
+    from urllib.parse import urlsplit
+
+    _, dep = epd3
+    url = urlsplit(dep.workers[0].url)
+    request = f"GET /live HTTP/1.1\r\nhost: {url.hostname}\r\n\r\n".encode()
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(request)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        time.sleep(6.5)  # past the 5 s default keep-alive
+        sock.sendall(request)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "the worker closed an idle connection"

@@ -218,3 +218,11 @@ def test_the_rules_catch_violations(tmp_path: Path) -> None:
     assert "triptych.router.typing_only imports torch" in found  # even type-only: keep the router clean
     assert not any(v.startswith("triptych.router.typing_only reaches") for v in found)
     assert cycles(modules) == [["triptych.a", "triptych.b"]]
+
+
+def test_no_component_module_outgrows_450_lines() -> None:
+    """One concept per module (issue 13): nothing in worker/, router/ or operator/ over 450 lines."""
+    too_long = {str(p.relative_to(ROOT)): n for folder in ("worker", "router", "operator")
+                for p in (ROOT / folder).rglob("*.py")
+                if (n := len(p.read_text().splitlines())) > 450}
+    assert not too_long, too_long

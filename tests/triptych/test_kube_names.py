@@ -33,7 +33,7 @@ def test_api_coordinates() -> None:
 
 
 def test_role_label_values_are_the_instance_types() -> None:
-    assert names.ROLES == {"E", "P", "D", "EP", "ED", "PD", "EPD"}
+    assert names.ROLES == {"E", "P", "D", "EP", "ED", "PD", "EPD", "V"}
     assert {t.value: v for t, v in names.LLMD_ROLES.items()} == {"P": "prefill", "D": "decode", "PD": "both"}
     assert set(names.LLMD_ROLES) <= set(InstanceType)
 

@@ -31,3 +31,14 @@ def test_roundtrip_and_stages():
     assert parse_topology(format_topology(counts)) == counts
     assert InstanceType.EP.stages == {Stage.ENCODE, Stage.PREFILL}
     assert not InstanceType.D.needs_vision and InstanceType.ED.needs_language
+
+
+def test_v_token() -> None:
+    """V (video decode) instances: their own token, no E/P/D stage, only beside an encoder."""
+    assert parse_topology("2V1E1P1D") == {InstanceType.V: 2, InstanceType.E: 1, InstanceType.P: 1, InstanceType.D: 1}
+    assert parse_topology("1v1epd") == {InstanceType.V: 1, InstanceType.EPD: 1}
+    assert format_topology(parse_topology("1E1P1D2V")) == "2V1E1P1D"
+    assert InstanceType.V.stages == frozenset() and InstanceType.V.decodes_video
+    assert not any(InstanceType.V.runs(s) for s in Stage)
+    with pytest.raises(TopologyError, match="encode"):
+        parse_topology("1V1P1D")

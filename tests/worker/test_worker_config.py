@@ -9,7 +9,7 @@ import yaml
 
 from triptych.operator.api import parse_spec
 from triptych.operator.desired import pool_assignment, serving_config
-from triptych.worker.server import settings_from_serving_config
+from triptych.worker.settings import settings_from_serving_config
 
 SPEC = {"model": {"source": {"tiny": "qwen2-vl"}, "maxModelLen": 1024}, "topology": {"EPD": 1}}
 

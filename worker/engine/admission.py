@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import threading
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from triptych import processor
 from triptych.stop_strings import StopMatcher
 from triptych.topology import Stage
 from triptych.worker.engine.config import EngineConfig
+from triptych.worker.engine.guided import GuideTokenizer
 from triptych.worker.engine.inputs import decode_image
 from triptych.worker.engine.kv_cache import KVCache
 from triptych.worker.engine.mm_cache import MMCache
@@ -50,6 +52,8 @@ class Admission:
         self._lock = lock  # the engine's: guards the MM cache lookup
         self._in_use = in_use  # the engine's request ids, added and not finished
         self.videos = VideoInputs(config.model, model.vision)
+        self.guides = GuideTokenizer(Path(config.model) / "tokenizer.json", self.spec.vocab_size,
+                                     self.spec.eos_token_ids)
 
     def validate(self, req: Request) -> None:
         """Raise a `RequestValidationError` subclass, or prepare `req` for the loop."""
@@ -66,6 +70,7 @@ class Admission:
         if req.prefilled is not None:
             self._validate_prefilled(req)
         req.seed = resolve_seed(req.params)
+        self._prepare_guide(req)
         if self.has_language:
             from triptych.worker.models.rope import prompt_positions
 
@@ -156,6 +161,15 @@ class Admission:
         if pre.generated and len(pre.generated) + 1 >= req.params.max_tokens:
             raise RequestValidationError(f"{len(pre.generated) + 1} tokens were generated already; "
                                          f"max_tokens is {req.params.max_tokens}")
+
+    def _prepare_guide(self, req: Request) -> None:
+        """The request's grammar matcher, on every instance that samples for it; a decode
+        that takes over replays the tokens sampled before it (guided.py)."""
+        if req.grammar is None or req.guide is not None or not self.has_language or req.stop_after == Stage.ENCODE:
+            return  # no grammar, or the serving layer built the matcher already (off the event loop)
+        pre = req.prefilled
+        replay = [*pre.generated, pre.first_token] if pre is not None else []
+        req.guide = self.guides.matcher(req.grammar, replay)
 
     def _prepare_text(self, req: Request) -> None:
         """Detokenize as tokens come only where it is needed: for stop strings, or when

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from triptych.worker.attention import build_metadata
+from triptych.worker.engine.guided import mask_logits
 from triptych.worker.engine.kv_cache import KVCache
 from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.request import Request
@@ -97,6 +98,10 @@ class ModelRunner:
                     srows.append(replace(self.sample_row(c.req), seed=choice_seed(c.req.seed, i)))
                     forks.append((c.req, i))
         logits = self.language.logits(hidden[torch.tensor(rows, device=hidden.device)])
+        # Grammars (structured output, forced tool calls) mask before any sampling rule. An
+        # n > 1 request's extra first-token rows share its guide: no choice has advanced it yet.
+        guides = [c.req.guide for c in sampling] + [req.guide for req, _ in forks]
+        logits = mask_logits(logits, guides)
         result = sample(logits, srows)
         k = len(sampling)
         for (req, _), tok, lp in zip(forks, result.token_ids[k:], result.logprobs[k:], strict=True):

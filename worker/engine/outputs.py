@@ -83,6 +83,11 @@ class OutputProcessor:
             pass  # n choices: the fork decides which of them the first token ends (worker/choices.py)
         elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
             reason = FinishReason.STOP
+        elif req.guide is not None and not req.guide.advance(token):  # masking makes this a bug
+            return self.finish(req, FinishReason.ERROR, f"token {token} is not allowed by the request's "
+                                                        f"grammar: {req.guide.error}")
+        elif req.guide is not None and req.guide.finished:  # accepted, and nothing can follow
+            reason = FinishReason.STOP
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         # Stop strings are not looked for in the text of a stop token or EOS, nor before

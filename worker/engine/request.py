@@ -177,6 +177,8 @@ class Request:
     images: Mapping[str, Any] = field(default_factory=dict)
     stages: frozenset[Stage] = ALL_STAGES
     prefilled: PrefilledKV | None = None
+    # An llguidance grammar (guided.py) that masks every token sampled for the request.
+    grammar: str | None = None
 
     # --- runtime state, owned by the engine -------------------------------------------
     status: RequestStatus = field(default=RequestStatus.WAITING_PREFILL, init=False)
@@ -209,6 +211,7 @@ class Request:
     # n > 1: the first tokens (and log-prob entries) of choices 1..n-1, sampled with the
     # first token from the same logits (model_runner.py); worker/choices.py forks them.
     choice_firsts: list[tuple[int, dict[str, Any] | None]] = field(default_factory=list, init=False)
+    guide: Any = field(default=None, init=False)  # guided.Guide, built at admission from `grammar`
 
     def __post_init__(self) -> None:
         self.stages = frozenset(Stage(s) for s in self.stages)

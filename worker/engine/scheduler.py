@@ -266,7 +266,9 @@ class Scheduler:
             if self._images_left <= 0:
                 return
             item = req.mm_items[i]
-            if item.content_hash not in req.images:
+            # What this run encodes: items sent as bytes, and videos pulled from V instances
+            # as patches (ready vision inputs, no bytes).
+            if item.content_hash not in req.images and item.content_hash not in req.vision_inputs:
                 batch.failed.append((req, f"embeddings of image {item.content_hash[:16]} are no longer "
                                           "cached and the request carries no image to encode"))
                 return

@@ -10,7 +10,9 @@ is checked against the item's placeholder run: a mismatch is a 400, never a garb
 With video decoder services (`TRIPTYCH_VIDEO_DECODERS=url,url`: worker/video/service.py,
 the V instance's work) the pool also holds one `RemoteSlot` per service, so one video's
 GOP sets decode on this instance and the services at once (stall-free: a free slot takes
-the next set). Until the topology knows V instances this list is static configuration.
+the next set). That list is static configuration; V instances in the topology
+(`triptych worker --role V`) are driven by the router instead, and their patches arrive as
+pulled parts (`from_parts`, worker/video_pull.py).
 """
 
 from __future__ import annotations
@@ -83,11 +85,31 @@ class VideoInputs:
                                          f"{DECODE_TIMEOUT_S:g}s") from exc
         # A failing decoder service raises RemoteDecoderError (a RuntimeError): ours, a 500.
         VIDEOS_DECODED.labels("encoder+v" if self.remote_urls else "encoder").inc()
-        vin = self.vision.video_input(patches.pixel_values_videos, patches.grid_thw)
+        return self._wrap(patches.pixel_values_videos, patches.grid_thw, item)
+
+    @property
+    def patch_dim(self) -> int:
+        """Width of one pixel patch row (C * T * P * P), as V instances write them."""
+        c = self._setup()[0]
+        return 3 * c.temporal_patch_size * c.patch_size * c.patch_size
+
+    def from_parts(self, pixel_values: Any, grid_thw: tuple[int, int, int], item: Any) -> Any:
+        """The `VisionInput` of a video decoded and patchified on V instances (pulled parts)."""
+        if not hasattr(self.vision, "video_input"):
+            raise InvalidVideoInputError("this model takes no video input")
+        VIDEOS_DECODED.labels("v").inc()
+        return self._wrap(pixel_values, grid_thw, item)
+
+    def _wrap(self, pixel_values: Any, grid_thw: tuple[int, int, int], item: Any) -> Any:
+        """Wrap the patches; their token count must fill the item's placeholder run exactly."""
+        try:
+            vin = self.vision.video_input(pixel_values, grid_thw)
+        except ValueError as exc:
+            raise InvalidVideoInputError(f"video {item.content_hash[:16]}: {exc}") from exc
         if vin.num_tokens != item.length or (item.grid_thw is not None
-                                             and tuple(item.grid_thw) != tuple(patches.grid_thw)):
+                                             and tuple(item.grid_thw) != tuple(grid_thw)):
             raise InvalidVideoInputError(
-                f"video {item.content_hash[:16]} gives grid {patches.grid_thw} ({vin.num_tokens} tokens) but its "
+                f"video {item.content_hash[:16]} gives grid {tuple(grid_thw)} ({vin.num_tokens} tokens) but its "
                 f"placeholder run has {item.length} tokens (grid {item.grid_thw})")
         return vin
 

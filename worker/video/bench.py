@@ -20,9 +20,10 @@ contention: `crit. cpu s` is the CPU time of the critical path (the main thread'
 demux/plan/assembly plus the busiest decoder thread), i.e. the wall time each decoder
 would take on a free core; `cpu speedup` = sequential CPU s / critical-path CPU s.
 
-Hook for multi-instance rows ("two V instances"): `CollaborativeDecoder(slots=...)` takes
-any `DecoderSlot`; the serving integration adds a slot that posts a `Segment` to a V
-instance and returns its frames. `_collaborative_row` then times it unchanged.
+The V-instance rows (bench_instances.py) time the serving path instead: N `worker --role V`
+processes decode and patchify the GOP sets the router's dispatcher hands them, and an
+encode-side puller pulls the patches over NIXL; their baseline is a 1-thread sequential
+decode + patchify in one process (same patches, compared bit for bit).
 """
 
 from __future__ import annotations
@@ -164,13 +165,38 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         wall, cpu, critical, frames = _collaborative_row(data, options, None, k, args.repeats)
         rows.append(_row(f"collaborative, {k} decoder thread(s)", k, wall, cpu, critical, base, cores,
                          identical=bool(np.array_equal(frames, reference))))
+    rows += _v_rows(data, args, cores)
     return {
         "clip": {"path": str(clip), "bytes": len(data), "codec": index.codec, "size": f"{index.width}x{index.height}",
                  "frames": index.total_num_frames, "fps": index.fps, "gops": len(index.gops)},
         "sample_fps": args.sample_fps, "sampled_frames": len(reference), "cores": cores,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "repeats": args.repeats, "rows": rows,
-        "not_measured": "two V instances: needs the V role (serving integration); see the module docstring",
     }
+
+
+def _v_rows(data: bytes, args: argparse.Namespace, cores: int) -> list[dict[str, Any]]:
+    """The serving path to pixel patches: 1-thread decode + patchify vs N V instances."""
+    n, threads = getattr(args, "v_instances", 0), getattr(args, "v_threads", 1)
+    if not n:
+        return []
+    from .bench_instances import baseline_patches, time_v_instances, v_instances
+
+    if getattr(args, "model", None):
+        model = Path(args.model)
+    else:
+        from triptych.tiny_model import tiny_model_path
+
+        model = tiny_model_path("qwen2-vl")
+    sampling = {"fps": args.sample_fps, "max_frames": args.max_frames}
+    base_wall, base_cpu, reference = _time(lambda: baseline_patches(data, model, sampling), args.repeats)
+    base = (base_wall, base_cpu)
+    rows = [_row("to patches: sequential PyAV + patchify, 1 thread", 1, base_wall, base_cpu, None, base, cores)]
+    with v_instances(model, n, threads) as urls:
+        walls, patches = time_v_instances(data, model, sampling, urls, threads, args.repeats)
+    row = _row(f"to patches: {n} V instances x {threads} thread(s), NIXL pull", n * threads,
+               statistics.median(walls), 0.0, None, base, cores, identical=bool(np.array_equal(patches, reference)))
+    row["cpu_s"] = None  # the work runs in the V processes: this process's CPU time says nothing
+    return [*rows, row]
 
 
 def _row(name: str, k: int, wall: float, cpu: float, critical: float | None, base: tuple[float, float],
@@ -195,13 +221,13 @@ def print_table(report: dict[str, Any]) -> None:
           f"at {report['sample_fps']:g} fps; {report['cores']} cores; median of {report['repeats']}")
     print(f"load average before: {' '.join(f'{x:.2f}' for x in report['loadavg_before'])}, "
           f"after: {' '.join(f'{x:.2f}' for x in report['loadavg_after'])}")
-    print(f"{'decoders':40} {'wall s':>7} {'speedup':>7} {'eff.':>5} {'cpu s':>7} {'crit. cpu s':>11} "
+    print(f"{'decoders':52} {'wall s':>7} {'speedup':>7} {'eff.':>5} {'cpu s':>7} {'crit. cpu s':>11} "
           f"{'cpu speedup':>11}  same frames")
     for row in report["rows"]:
         crit = f"{row['critical_cpu_s']:11.3f} {row['cpu_speedup']:11.2f}" if row["critical_cpu_s"] else f"{'-':>11} {'-':>11}"
-        print(f"{row['decoders']:40} {row['wall_s']:7.3f} {row['speedup']:7.2f} {row['efficiency']:5.2f} "
-              f"{row['cpu_s']:7.3f} {crit}  {'yes' if row['frames_identical'] else 'NO'}")
-    print(f"not measured: {report['not_measured']}")
+        cpu = f"{row['cpu_s']:7.3f}" if row["cpu_s"] is not None else f"{'-':>7}"
+        print(f"{row['decoders']:52} {row['wall_s']:7.3f} {row['speedup']:7.2f} {row['efficiency']:5.2f} "
+              f"{cpu} {crit}  {'yes' if row['frames_identical'] else 'NO'}")
 
 
 def cli_main(args: argparse.Namespace) -> int:

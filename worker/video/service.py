@@ -8,7 +8,9 @@ the content hash) and each GOP set is then a small JSON `Segment`
 (`POST /internal/video/{video_id}/segment`) answered with the segment's RGB frames as raw
 uint8 (`X-Frame-Shape: n,h,w,3`). Held videos are evicted least recently used, by bytes.
 
-Not wired into `triptych worker --role V`, the router or the topology yet (docs/video.md).
+This is the static decoder service an encode instance drives itself
+(`TRIPTYCH_VIDEO_DECODERS`); the V instance type of the topology, driven by the router and
+handing patches over by NIXL pull, is worker/video_instance.py (it reuses `VideoStore`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,36 @@
+"""`triptych bench switch`: the added-gap figure of a stream, and the command end to end
+on a small local deployment (every switch answered with its phase times, no request lost)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from triptych.bench.stats import RequestResult
+from triptych.bench.switch import added_gaps
+from triptych.cli import main
+
+
+def test_added_gaps_counts_the_pause_in_mean_gaps() -> None:
+    steady = RequestResult(ttft=0.1, e2e=0.3, gaps=[0.01] * 20, num_tokens=21)
+    assert added_gaps(steady) == pytest.approx(0.0)
+    # 20 gaps of 10 ms and one of 220 ms: TPOT 20 ms, the pause 10 TPOTs more than usual
+    paused = RequestResult(ttft=0.1, e2e=0.1 + 0.2 + 0.22, gaps=[0.01] * 20 + [0.22], num_tokens=22)
+    assert added_gaps(paused) == pytest.approx(10.0)
+    assert added_gaps(RequestResult(ttft=0.1, e2e=0.2, gaps=[0.01, 0.02], num_tokens=3)) is None
+    assert added_gaps(RequestResult(error="HTTP 503")) is None
+
+
+@pytest.mark.slow
+def test_bench_switch_runs_the_cycle_and_loses_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "switch", "--topology", "1E1P2D", "--concurrency", "4", "--output-len", "24",
+                 "--images", "0", "--settle", "1.0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = report["switches"]
+    assert [r["loaded"] for r in rows] == [False] * 4 + [True] * 4
+    assert [r["switch"].split("->")[-1] for r in rows] == ["P", "D", "D", "E"] * 2
+    for r in rows:
+        assert r["total_s"] > 0 and r["failed"] == 0, r
+        assert r["total_s"] == pytest.approx(r["offload_s"] + r["migrate_s"] + r["onload_s"], abs=1e-5)
+    assert all(r["requests"] == 4 for r in rows if r["loaded"])

@@ -1,0 +1,163 @@
+"""`triptych bench switch`: how long a role switch takes, as `POST /admin/role` reports
+it, and what a migrated decode costs the streams that were running.
+
+It starts a local deployment (2E2P2D by default) and switches, one after another, a
+decode instance to P, a prefill instance to D, an encode instance to D and back to E
+(issue 9's cycle, EPDServe §3.2.4). Each switch runs twice: on an idle deployment (the
+switch's own cost) and under `--concurrency` streaming requests (ignore_eos), where a
+D->X switch waits until the instance runs decodes, so that they migrate.
+
+For each stream it reports how much its largest inter-token gap exceeds its mean gap
+(TPOT), in mean gaps ("added gaps"): a decode moved to another instance mid-stream pauses once,
+for the pull and the hop. The maximum over every stream of the switch is an upper bound
+for the migrated ones (the client cannot tell which streams moved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from triptych.bench.client import send_request
+from triptych.bench.errors import BenchError
+from triptych.bench.report import fmt, progress
+from triptych.bench.stats import RequestResult
+from triptych.bench.workload import Workload, build_bodies
+
+CYCLE = (("D", "P"), ("P", "D"), ("E", "D"), ("E", "E"))  # (instance picked by its first role, new role)
+
+
+def _instances(client: httpx.Client, dep: Any) -> list[dict[str, Any]]:
+    # 503 while a stage has no instance (1E1P2D after E->D): the list is there all the same
+    return client.get(f"{dep.router_url}/health", headers=dep.admin_headers, timeout=10).json()["instances"]
+
+
+def _switch(client: httpx.Client, dep: Any, instance: str, role: str) -> dict[str, Any]:
+    resp = client.post(f"{dep.router_url}/admin/role", json={"instance": instance, "role": role},
+                       headers=dep.admin_headers, timeout=300)
+    if resp.status_code != 200:
+        raise BenchError(f"switching {instance} to {role}: HTTP {resp.status_code}: {resp.text[:300]}")
+    return resp.json()
+
+
+def _wait_decoding(client: httpx.Client, dep: Any, url: str, min_running: int, timeout_s: float = 60) -> None:
+    """Until the instance at `url` runs `min_running` requests (or `timeout_s` passes)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stats = client.get(f"{url}/admin/stats", headers=dep.admin_headers, timeout=10).json()
+        if stats.get("num_running", 0) >= min_running:
+            return
+        time.sleep(0.005)
+
+
+def added_gaps(result: RequestResult) -> float | None:
+    """(largest gap - mean gap) / mean gap of one stream, the mean being its TPOT; None
+    under 4 gaps. (Not the median: chunks read back to back give near-zero gaps.)"""
+    tpot = result.tpot
+    if tpot is None or tpot <= 0 or len(result.gaps) < 4:
+        return None
+    return (max(result.gaps) - tpot) / tpot
+
+
+async def _streams_while(dep: Any, bodies: Sequence[bytes], during: Any,
+                         timeout_s: float) -> tuple[list[RequestResult], dict[str, Any]]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits, trust_env=False) as client:
+        url = f"{dep.router_url}/v1/chat/completions"
+        tasks = [asyncio.create_task(send_request(client, url, b, timeout_s)) for b in bodies]
+        report = await asyncio.to_thread(during)
+        return list(await asyncio.gather(*tasks)), report
+
+
+def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[dict[str, Any]]:
+    rows = []
+    with httpx.Client(trust_env=False) as client:
+        first = {}
+        for inst in _instances(client, dep):
+            first.setdefault(inst["role"], inst)
+        for n, (picked_by, role) in enumerate(CYCLE):
+            inst = first[picked_by]
+            label = f"{inst['instance_id']}: {_current_role(client, dep, inst['instance_id'])}->{role}"
+
+            def during(i: dict[str, Any] = inst, r: str = role) -> dict[str, Any]:
+                if loaded and _current_role(client, dep, i["instance_id"]) == "D":
+                    _wait_decoding(client, dep, i["url"], cfg.min_running)
+                elif loaded:
+                    time.sleep(cfg.switch_after)
+                return _switch(client, dep, i["instance_id"], r)
+
+            if not loaded:
+                results, report = [], during()
+            else:
+                work = Workload(num_requests=cfg.concurrency, images_per_request=cfg.images, prompt_len=16,
+                                output_len=cfg.output_len)
+                bodies = build_bodies(work, model, seed=100 + n)
+                results, report = asyncio.run(_streams_while(dep, bodies, during, cfg.request_timeout))
+            failed = [r.error for r in results if not r.ok]
+            added = [a for a in (added_gaps(r) for r in results if r.ok) if a is not None]
+            row = {"switch": label, "loaded": loaded, **{k: report[k] for k in
+                   ("offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back")},
+                   "requests": len(results), "failed": len(failed),
+                   "max_added_gaps": round(max(added), 2) if added else None}
+            progress(f"  {label} ({'loaded' if loaded else 'idle'}): total {report['total_s'] * 1000:.1f} ms, "
+                     f"migrated {report['migrated']}, failed {len(failed)}")
+            if failed:
+                progress(f"    e.g. {failed[0]}")
+            rows.append(row)
+            time.sleep(cfg.settle)  # the router sees the new role at its next poll
+    return rows
+
+
+def _current_role(client: httpx.Client, dep: Any, instance_id: str) -> str:
+    return next(i["role"] for i in _instances(client, dep) if i["instance_id"] == instance_id)
+
+
+def run(cfg: argparse.Namespace) -> dict[str, Any]:
+    from triptych.local import LocalDeployment, resolve_model
+    from triptych.topology import parse_topology
+
+    model_dir = resolve_model(cfg.model)
+    dep = LocalDeployment(model=model_dir, topology=parse_topology(cfg.topology), transfer_require="nixl",
+                          instance_cpus=cfg.instance_cpus)
+    progress(f"== {cfg.topology}, {cfg.concurrency} streams of {cfg.output_len} tokens under load"
+             + (f", {cfg.instance_cpus:g} CPU per instance" if cfg.instance_cpus else ""))
+    with dep:
+        if cfg.instance_cpus and dep.quota is None:
+            progress(f"  no CPU quota could be set: {dep.quota_error}")
+        with httpx.Client(trust_env=False) as client:
+            model = client.get(f"{dep.router_url}/v1/models", timeout=10).json()["data"][0]["id"]
+        warm = build_bodies(Workload(num_requests=4, images_per_request=cfg.images, prompt_len=16, output_len=8),
+                            model, seed=7)
+        asyncio.run(_streams_while(dep, warm, lambda: {}, cfg.request_timeout))
+        rows = _cycle(dep, cfg, model, loaded=False) + _cycle(dep, cfg, model, loaded=True)
+    return {"topology": cfg.topology, "concurrency": cfg.concurrency, "output_len": cfg.output_len,
+            "instance_cpus": cfg.instance_cpus, "switches": rows}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = ("switch", "load", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "handed back",
+            "failed", "max added gaps")
+    rows = [head]
+    for r in report["switches"]:
+        rows.append((r["switch"], "streams" if r["loaded"] else "idle", fmt(r["offload_s"], 1000, 1),
+                     fmt(r["migrate_s"], 1000, 1), fmt(r["onload_s"], 1000, 1), fmt(r["total_s"], 1000, 1),
+                     str(r["migrated"]), str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
+                     fmt(r["max_added_gaps"], 1, 2)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    try:
+        report = run(args)
+    except BenchError as exc:
+        progress(f"bench switch: {exc}")
+        return 1
+    print(json.dumps(report, indent=2) if args.json else format_table(report))
+    return 1 if any(r["failed"] for r in report["switches"]) else 0

@@ -1,0 +1,232 @@
+"""The V instance: `triptych worker --role V` — video decoding as its own instance type.
+
+FlashCodec (paper 000 §3) decodes one video collaboratively over several decoders: the
+router splits a video's sampled frames into GOP-aligned segments whose frame counts are
+multiples of the temporal patch size (Alg. 1, Fig. 7b) and hands them out stall-free over
+the plan's V instances (Alg. 2, router/video_decode.py). This instance runs one such
+decoder pool: it holds uploaded videos by content hash, decodes a segment on one of its
+decoder threads (PyAV releases the GIL), patchifies the frames with the checkpoint's
+video processor settings (`triptych.video_processing`: only the processor config is read,
+no model weights and no engine), writes the patches into its registered video buffer
+(worker/video_buffer.py) and offers the blocks under a lease. The encode instance pulls
+them over the transfer engine (NIXL; HydraInfer §4.3 pull-based migration) and confirms;
+the blocks are then freed (or at the lease's expiry, or when the router aborts).
+
+Endpoints: `PUT /internal/video/{video_id}` (bytes; hash checked), `POST
+/internal/video/segment` (a `VideoSegmentRequest` -> a `VideoPart`), `POST
+/internal/abort/{request_id}`; `/live`, `/ready`, `/health`, `/metrics`, `/admin/stats`.
+A V instance does not switch roles (`/admin/role` to anything but V is a 409).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+
+from triptych.processor import ProcessorError
+from triptych.stage_protocol import RoleSwitch, VideoPart, VideoSegmentRequest
+from triptych.video_processing import VideoProcessorConfig, preprocess_frames
+from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
+from triptych.worker.migration import LeaseTable, run_lease_pump
+from triptych.worker.settings import WorkerSettings, settings_from_args
+from triptych.worker.transfer import TransferEngine
+from triptych.worker.transfer.base import registry_metric
+from triptych.worker.video import PyAVBackend, Segment, VideoError, video_id
+from triptych.worker.video.service import VideoStore
+from triptych.worker.video_buffer import REGION, VideoBuffer, VideoBufferFullError
+
+log = logging.getLogger("triptych.worker.video_instance")
+
+SEGMENTS_DECODED: Counter = registry_metric(
+    Counter, "triptych_worker_video_segments_total", "GOP sets decoded on this V instance, by outcome", ["outcome"])
+SEGMENT_SECONDS: Histogram = registry_metric(
+    Histogram, "triptych_worker_video_segment_seconds", "Decode + patchify time of one GOP set on a V instance",
+    [], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+
+# Model code a V instance never imports (it holds no weights): the model families, the
+# engine's model runner and the transformers modeling code.
+MODEL_MODULES = ("triptych.worker.models", "triptych.worker.engine.model_runner", "transformers.models")
+
+
+class VideoDecoderInstance:
+    """State of one V instance: videos, decoder threads, the video buffer and its leases."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        # What a V instance loads of the checkpoint: the video processor settings, nothing else.
+        self.config = VideoProcessorConfig.from_pretrained(settings.model)
+        c = self.config
+        patch_dim = 3 * c.temporal_patch_size * c.patch_size * c.patch_size
+        self.buffer = VideoBuffer(patch_dim, settings.video_buffer_mb << 20)
+        self.store = VideoStore(settings.video_cache_mb << 20)
+        self.backend = PyAVBackend()
+        self.transfer = TransferEngine(f"{settings.instance_id}-V", require=settings.transfer_require)
+        self.transfer.register(REGION, self.buffer.tensor)
+        self.leases = LeaseTable(on_any_release=lambda lease: self.transfer.revoke(lease.lease_id))
+        self.slots = asyncio.Semaphore(max(1, settings.decode_threads))
+        self.decoding = 0
+        self.counts = {"uploads": 0, "segments": 0, "refused": 0, "frames": 0}
+
+    def load(self) -> float:
+        return float(self.decoding)
+
+    def stats(self) -> dict[str, Any]:
+        return {"role": "V", "instance_id": self.settings.instance_id, "transport": self.transfer.transport,
+                # A V instance holds no model: no weights, no engine, no KV or MM cache.
+                "weights_loaded": False, "loaded": ["video_processor_config"],
+                # Checked by tests: no model code was ever imported into this process.
+                "model_modules": sorted(m for m in sys.modules if m.startswith(MODEL_MODULES)),
+                "inflight": self.decoding, "leases_outstanding": self.leases.outstanding(),
+                "video_buffer_blocks": self.buffer.num_blocks, "video_buffer_free": self.buffer.free_blocks,
+                "decoder_threads": self.settings.decode_threads, **self.counts}
+
+    async def decode(self, body: VideoSegmentRequest) -> VideoPart:
+        """Decode one GOP set, patchify it, put the rows under a lease (Alg. 1 on this decoder)."""
+        data = self.store.get(body.video_id)
+        if data is None:
+            raise LookupError(f"video {body.video_id[:16]} is not held here; upload it first")
+        segment = Segment.model_validate(body.segment)
+        if segment.video_id != body.video_id:
+            raise ValueError("the segment names another video")
+        config = self.config.with_pixel_bounds(body.options.min_pixels, body.options.max_pixels)
+        async with self.slots:
+            self.decoding += 1
+            started = time.monotonic()
+            try:  # frames are allocated after decoding (§3.4), patches once frames are done
+                patches = await asyncio.to_thread(self._decode_patchify, data, segment, config)
+            finally:
+                self.decoding -= 1
+        SEGMENT_SECONDS.observe(time.monotonic() - started)
+        rows = patches.pixel_values_videos
+        block_ids = self.buffer.reserve(len(rows))
+        self.buffer.write(block_ids, rows)
+        lease = self.leases.offer(REGION, block_ids, lambda: self.buffer.free(block_ids),
+                                  self.settings.lease_seconds, owner=body.request_id)
+        margin = min(self.settings.lease_margin_s, self.settings.lease_seconds / 4)
+        handle = self.transfer.handle(REGION, block_ids, lease.lease_id, secret=lease.secret,
+                                      ttl_s=lease.ttl_s, margin_s=margin)
+        self.counts["segments"] += 1
+        self.counts["frames"] += len(segment.frame_indices)
+        return VideoPart(index=segment.index, num_frames=len(segment.frame_indices), rows=len(rows),
+                         grid_thw=patches.grid_thw, handle=handle.model_dump(mode="json"))
+
+    def _decode_patchify(self, data: bytes, segment: Segment, config: VideoProcessorConfig) -> Any:
+        decoded = self.backend.decode(data, segment)
+        return preprocess_frames(decoded.frames, config)
+
+    def close(self) -> None:
+        self.leases.expire(now=float("inf"))
+        self.transfer.close()
+
+
+def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": code or status}}, status_code=status)
+
+
+def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
+    """The V instance's app; `auth` guards /internal and /admin as on every worker."""
+    holder: dict[str, VideoDecoderInstance] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        inst = VideoDecoderInstance(settings)
+        holder["v"] = inst
+        app.state.instance = inst
+        pump = asyncio.create_task(run_lease_pump(inst.transfer, inst.leases))
+        yield
+        pump.cancel()
+        inst.close()
+
+    app = FastAPI(title="triptych video decoder (V)", lifespan=lifespan)
+    app.add_middleware(AuthMiddleware, auth=auth)
+
+    @app.get("/live")
+    async def live() -> dict[str, bool]:
+        return {"live": True}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        inst = holder["v"]
+        return {"status": "ok", "role": "V", "instance_id": settings.instance_id, "load": inst.load(),
+                "draining": False, "transport": inst.transfer.transport, "target_role": None}
+
+    @app.get("/ready")
+    async def ready() -> dict[str, Any]:
+        return {"ready": True, "role": "V"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/stats")
+    async def admin_stats() -> dict[str, Any]:
+        return holder["v"].stats()
+
+    @app.post("/admin/role")
+    async def admin_role(body: RoleSwitch) -> JSONResponse:
+        # The operator "assigns" V to a V pod like any role (then labels the pod); it is one already.
+        if body.role == "V":
+            return JSONResponse({"role": "V", "status": "ok"})
+        return _error(409, "a V instance decodes video only; it does not switch roles", "role_fixed")
+
+    @app.put("/internal/video/{vid}")
+    async def upload(vid: str, request: Request) -> Response:
+        inst = holder["v"]
+        data = await request.body()
+        if len(data) > settings.video_cache_mb << 20:
+            return _error(413, "video is larger than this instance's video store")
+        if await asyncio.to_thread(video_id, data) != vid:
+            return _error(400, "the bytes do not hash to the video id in the URL")
+        inst.store.put(vid, data)
+        inst.counts["uploads"] += 1
+        return Response(status_code=204)
+
+    @app.post("/internal/video/segment")
+    async def segment(body: VideoSegmentRequest) -> JSONResponse:
+        inst = holder["v"]
+        try:
+            part = await inst.decode(body)
+        except LookupError as exc:
+            return _error(404, str(exc), "video_not_held")
+        except (VideoError, ProcessorError, ValueError) as exc:  # a bad video: the client's fault
+            inst.counts["refused"] += 1
+            SEGMENTS_DECODED.labels("invalid").inc()
+            return _error(400, str(exc), "invalid_video")
+        except VideoBufferFullError as exc:
+            SEGMENTS_DECODED.labels("full").inc()
+            return _error(503, str(exc), "video_buffer_full")
+        SEGMENTS_DECODED.labels("ok").inc()
+        return JSONResponse(part.model_dump(mode="json"))
+
+    @app.post("/internal/abort/{request_id}")
+    async def abort(request_id: str) -> dict[str, Any]:
+        return {"aborted": request_id, "leases": holder["v"].leases.cancel_owner(request_id)}
+
+    return app
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    """`triptych worker --role V`: the same flags and tokens as any worker."""
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sys.setswitchinterval(0.001)  # decoder threads and the event loop share the GIL
+    settings = settings_from_args(args)
+    try:
+        auth = WorkerAuth.load(args.internal_token_file, args.admin_token_file, args.insecure_no_auth)
+    except MissingTokenError as exc:
+        raise SystemExit(str(exc)) from exc
+    app = create_video_app(settings, auth)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    return 0
