@@ -33,7 +33,14 @@ from triptych.router.errors import InvalidRequestError, OpenAIError, install_err
 from triptych.router.front_door import PUMP_KEY, ClientGone, FrontDoor
 from triptych.router.images import ImageLoader
 from triptych.router.metrics import FrontendMetrics
-from triptych.router.prompt import Prompt, completion_prompt, fit_context, prepare_chat, template_messages
+from triptych.router.prompt import (
+    Prompt,
+    completion_prompt,
+    fit_context,
+    prepare_chat,
+    template_messages,
+    truncate_prompt,
+)
 from triptych.router.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -47,6 +54,7 @@ from triptych.router.state import RouterState
 from triptych.router.streaming import (
     CLIENT_GONE,
     STATUS_KEY,
+    Choice,
     EventPump,
     Job,
     OutputText,
@@ -108,7 +116,9 @@ def _add_generation_routes(app: FastAPI, state: RouterState) -> None:
         # Compiled before any work: a schema that does not compile is a 400 (structured.py).
         grammar = tool_choice_grammar(body.tools, body.tool_choice) or response_format_grammar(body.response_format)
         messages, refs = template_messages(render_messages(body.messages, body.tools), state.config)
-        prompt = await prepare_chat(state, messages, refs, mm_processor_kwargs=body.mm_processor_kwargs)
+        prompt = await prepare_chat(state, messages, refs, mm_processor_kwargs=body.mm_processor_kwargs,
+                                    template_kwargs=body.chat_template_kwargs)
+        prompt = truncate_prompt(prompt, body.truncate_prompt_tokens)
         state.metrics.preprocess.labels(state.model_name).observe(time.monotonic() - started)
         sampling = fit_context(state, len(prompt.token_ids), sampling, body.requested_max_tokens)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
@@ -121,6 +131,7 @@ def _add_generation_routes(app: FastAPI, state: RouterState) -> None:
         sampling = _sampling(body, body.max_tokens)
         grammar = response_format_grammar(body.response_format)
         prompt = Prompt(token_ids=await asyncio.to_thread(completion_prompt, state, body.prompt))
+        prompt = truncate_prompt(prompt, body.truncate_prompt_tokens)
         sampling = fit_context(state, len(prompt.token_ids), sampling, body.max_tokens)
         return await _generate(state, request, body, prompt, sampling, chat=False, grammar=grammar)
 
@@ -141,17 +152,30 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
     values: dict[str, Any] = {
         "top_k": 0 if body.top_k in (None, -1) else body.top_k,
         "seed": body.seed, "stop": stop, "stop_token_ids": body.stop_token_ids or [],
-        "ignore_eos": body.ignore_eos, "max_tokens": 1 if max_tokens is None else max_tokens,
+        "ignore_eos": body.ignore_eos, "max_tokens": max(1, body.min_tokens) if max_tokens is None else max_tokens,
+        "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
+        "repetition_penalty": body.repetition_penalty, "min_tokens": body.min_tokens,
+        "logit_bias": {int(k): v for k, v in (body.logit_bias or {}).items()},
+        "n": body.num_sequences,
     }
-    if body.temperature is not None:
-        values["temperature"] = body.temperature
-    if body.top_p is not None:
-        values["top_p"] = body.top_p
+    if isinstance(body, ChatCompletionRequest):
+        values["logprobs"] = body.logprobs
+        values["top_logprobs"] = body.top_logprobs or 0
+    else:
+        values["logprobs"] = body.logprobs is not None
+        values["top_logprobs"] = body.logprobs or 0
+    if body.num_sequences > body.n:  # best_of ranks the sequences by their log-probs
+        values["logprobs"] = True
+    for name in ("temperature", "top_p", "min_p"):
+        if getattr(body, name) is not None:
+            values[name] = getattr(body, name)
     try:
         return SamplingParams(**values)
     except ValidationError as exc:
         err = exc.errors()[0]
         name = str(err["loc"][0]) if err["loc"] else None
+        if name is None and "min_tokens" in err["msg"]:
+            name = "min_tokens"
         if name == "max_tokens" and isinstance(body, ChatCompletionRequest) \
                 and body.max_completion_tokens is not None:
             name = "max_completion_tokens"
@@ -165,10 +189,13 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
                     prompt: Prompt, sampling: SamplingParams, chat: bool, grammar: str | None = None,
                     parse_tools: bool = False) -> Response:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    choices = [Choice(OutputText(state.detokenizer(body.skip_special_tokens), sampling.stop, sampling.min_tokens))
+               for _ in range(sampling.n)]
+    asked_logprobs = body.logprobs is not None and body.logprobs is not False
     job = Job(request_id=request_id, model=state.model_name, chat=chat, prompt_len=len(prompt.token_ids),
-              max_tokens=sampling.max_tokens, metrics=state.metrics,
-              output=OutputText(state.detokenizer(body.skip_special_tokens), sampling.stop),
-              return_token_ids=body.return_token_ids, parse_tools=parse_tools)
+              max_tokens=sampling.max_tokens, metrics=state.metrics, choices=choices,
+              return_token_ids=body.return_token_ids, logprobs=asked_logprobs,
+              token_text=state.token_text, keep=body.n, parse_tools=parse_tools)
     gen = GenerationRequest(request_id=request_id, prompt_token_ids=prompt.token_ids,
                             mm_items=prompt.mm_items, images=prompt.images, sampling=sampling,
                             model=state.model_name, grammar=grammar)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from triptych.sampling_params import SamplingParams
+from triptych.stage_protocol import TokenLogprob
 
 if TYPE_CHECKING:
     from triptych.processor import MMItem
@@ -41,11 +42,14 @@ class GenerationRequest:
 
 @dataclass
 class TokenEvent:
-    """New tokens of the one sequence. `finish_reason` is set on the last event only;
-    'stop' = EOS, a stop token id or a stop string; 'length' = max_tokens reached."""
+    """New tokens of choice `index` (0..n-1). `finish_reason` is set on the choice's last
+    event only; 'stop' = EOS, a stop token id or a stop string; 'length' = max_tokens
+    reached. `logprobs` (one per token id) when the request asked for them."""
 
     token_ids: list[int]
     finish_reason: FinishReason | None = None
+    index: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 class BackendError(Exception):

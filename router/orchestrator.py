@@ -240,25 +240,43 @@ class Orchestrator:
                 timeout_s=self._deadline(hop.stages, req),
             )
             footprint.urls.add(hop.instance.url)
-            kv_source = migrated = None
+            kv_source = None
+            relay = _Relay(req.sampling.n)
             async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s)) as events:
                 async for event in events:
                     if isinstance(event, PrefilledEvent):
                         kv_source = event.kv
-                        yield TokenEvent(token_ids=[event.kv.first_token])
-                    elif isinstance(event, MigratingEvent):
-                        migrated = event.kv
-                    elif isinstance(event, TokensEvent):
-                        yield TokenEvent(token_ids=event.token_ids)
+                        for token_event in _first_tokens(event.kv):
+                            yield token_event
                     elif isinstance(event, FinishedEvent):
                         yield self._finished(hop.instance, event, hop.stages[-1])
-                        return
-            if migrated is not None:
-                async for event in self._decode(req, migrated, mm_items, footprint, exclude={hop.instance.url}):
+                        if relay.finish():
+                            return
+                    else:
+                        for token_event in relay.tokens(event):
+                            yield token_event
+            if relay.migrated:
+                async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
+                                                           {hop.instance.url}):
                     yield event
                 return
             if kv_source is None:
                 raise StageFailure(hop.instance, f"{hop.instance.url} ended {list(hop.stages)} without a hand-over")
+
+    async def _continue_migrated(self, req: GenerationRequest, migrated: dict[int, KVSource],
+                                 mm_items: list[MMItemSpec], footprint: Footprint, exclude: set[str],
+                                 moves: int = 0) -> AsyncIterator[TokenEvent]:
+        """Decodes migrated off an instance go on elsewhere (`_decode`: its bounded wait for a
+        decode instance, its hop bound counted from `moves`). With n > 1 each choice goes on
+        as a request of its own (its own seed stream), one after the other."""
+        if req.sampling.n == 1:
+            async for event in self._decode(req, migrated[0], mm_items, footprint, exclude=exclude, moves=moves):
+                yield event
+            return
+        for index, kv in sorted(migrated.items()):
+            choice = replace(req, request_id=f"{req.request_id}.c{index}", sampling=req.sampling.for_choice(index))
+            async for event in self._decode(choice, kv, mm_items, footprint, exclude=exclude, moves=moves):
+                yield replace(event, index=index)
 
     async def _decode_videos(self, req: GenerationRequest, plan: Plan, mm_items: list[MMItemSpec],
                              footprint: Footprint) -> dict[str, list[VideoPart]]:
@@ -276,11 +294,11 @@ class Orchestrator:
     def _finished(inst: Instance, event: FinishedEvent, stage: Stage) -> TokenEvent:
         if event.finish_reason == "abort":  # the instance dropped it: never a 200
             raise StageFailure(inst, f"{inst.url} aborted the request", stage=stage)
-        return TokenEvent(token_ids=[], finish_reason=event.finish_reason)
+        return TokenEvent(token_ids=[], finish_reason=event.finish_reason, index=event.index)
 
     async def _decode(self, req: GenerationRequest, kv: KVSource, mm_items: list[MMItemSpec],
                       footprint: Footprint, first: Instance | None = None,
-                      exclude: set[str] | None = None) -> AsyncIterator[TokenEvent]:
+                      exclude: set[str] | None = None, moves: int = 0) -> AsyncIterator[TokenEvent]:
         """Decode from a KV cache another instance offers: a prefill's hand-over, or a
         decode migrated mid-stream (EPDServe §3.2.4 role switching, or a drain). A decode
         instance that refuses before its first event (503: switching, draining, full) is
@@ -288,7 +306,7 @@ class Orchestrator:
         new KV, and the stream goes on there. Tokens append to the same client stream."""
         excluded = set(exclude or ())  # instances the decode left: never back there
         refused: set[str] = set()  # 503s: passed over, tried again once nothing else takes it
-        target, request_id, attempt, moves = first, req.request_id, 0, 0
+        target, request_id, attempt = first, req.request_id, 0
         deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
         while True:
             attempt += 1
@@ -300,18 +318,19 @@ class Orchestrator:
             sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
                                 mm_items=mm_items, kv_source=kv, sampling=req.sampling, grammar=req.grammar,
                                 timeout_s=self._deadline([Stage.DECODE], req))
-            received, migrated = False, None
+            received = False
+            relay = _Relay(req.sampling.n)
             try:
                 async with aclosing(self.stages.run(target, sreq, self.config.stage_timeout_s)) as events:
                     async for event in events:
                         received = True
-                        if isinstance(event, MigratingEvent):
-                            migrated = event.kv
-                        elif isinstance(event, TokensEvent):
-                            yield TokenEvent(token_ids=event.token_ids)
-                        elif isinstance(event, FinishedEvent):
+                        if isinstance(event, FinishedEvent):
                             yield self._finished(target, event, Stage.DECODE)
-                            return
+                            if relay.finish():
+                                return
+                        else:
+                            for token_event in relay.tokens(event):
+                                yield token_event
             except StageFailure as failure:
                 if received or failure.status != 503:
                     raise
@@ -320,17 +339,22 @@ class Orchestrator:
                 self._decide(Stage.DECODE, "retried")
                 refused.add(target.url)
             else:
-                if migrated is None:
+                if not relay.migrated:
                     raise StageFailure(target, f"{target.url} ended the decode without finishing it",
                                        stage=Stage.DECODE)
                 moves += 1
                 if moves > self.config.max_decode_hops:
                     raise StageFailure(target, f"decode moved more than {self.config.max_decode_hops} times",
                                        stage=Stage.DECODE)
-                kv = migrated
                 excluded.add(target.url)
-                deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
                 log.info("request %s: decode migrated off %s", req.request_id, target.url)
+                if req.sampling.n > 1:  # each migrated choice goes on by itself
+                    async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
+                                                               excluded, moves):
+                        yield event
+                    return
+                kv = relay.migrated[0]
+                deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
             target = None
 
     async def _decode_target(self, excluded: set[str], refused: set[str], deadline: float) -> Instance:
@@ -365,6 +389,37 @@ class Orchestrator:
                     return [MMSource(content_hash=e.content_hash, num_tokens=e.num_tokens, handle=e.handle)
                             for e in event.items]
         raise StageFailure(run.instance, f"{run.instance.url} ended the encode stage without a hand-over")
+
+
+class _Relay:
+    """One stage stream's token and migration events for a request of `n` choices: token
+    events go on to the client (tagged with their choice); `finish` counts finished
+    choices; decodes migrated off the instance are kept by choice for the caller."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.finished = 0
+        self.migrated: dict[int, KVSource] = {}
+
+    def finish(self) -> bool:
+        """A choice finished; True when every choice not migrated has."""
+        self.finished += 1
+        return self.finished + len(self.migrated) >= self.n and not self.migrated
+
+    def tokens(self, event: object) -> list[TokenEvent]:
+        if isinstance(event, MigratingEvent):
+            self.migrated[event.index] = event.kv
+        elif isinstance(event, TokensEvent):
+            return [TokenEvent(token_ids=event.token_ids, index=event.index, logprobs=event.logprobs)]
+        return []
+
+
+def _first_tokens(kv: KVSource) -> list[TokenEvent]:
+    """A prefill's hand-over: the first token of each choice (choice 0's is `first_token`)."""
+    out = [TokenEvent(token_ids=[kv.first_token], logprobs=[kv.first_logprob] if kv.first_logprob else None)]
+    out += [TokenEvent(token_ids=[c.token], index=i, logprobs=[c.logprob] if c.logprob else None)
+            for i, c in enumerate(kv.choices, start=1)]
+    return out
 
 
 def _with_parts(items: list[MMItemSpec], encoded_here: Sequence[str],

@@ -7,7 +7,7 @@ max_tokens."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from triptych.processor import ImageInput, ImageTooLargeError, ProcessorError
@@ -45,6 +45,19 @@ def fit_context(state: RouterState, prompt_len: int, sampling: SamplingParams,
             f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} for the "
             "completion). Reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
     return sampling.model_copy(update={"max_tokens": requested if requested is not None else room})
+
+
+def truncate_prompt(prompt: Prompt, keep: int | None) -> Prompt:
+    """vLLM's `truncate_prompt_tokens`: keep the prompt's last `keep` tokens. A cut through
+    an image or video would leave the encoder's output without its placeholders: a 400."""
+    if keep is None or keep >= len(prompt.token_ids):
+        return prompt
+    cut = len(prompt.token_ids) - keep
+    if any(item.offset < cut for item in prompt.mm_items):
+        raise InvalidRequestError(f"truncate_prompt_tokens={keep} would cut an image or video out of the "
+                                  "prompt", param="truncate_prompt_tokens")
+    items = [replace(item, offset=item.offset - cut) for item in prompt.mm_items]
+    return Prompt(token_ids=prompt.token_ids[cut:], mm_items=items, images=prompt.images)
 
 
 def _check_sizes(messages: list[ChatMessage], config: RouterConfig) -> None:
@@ -94,9 +107,13 @@ def template_messages(messages: list[ChatMessage], config: RouterConfig,
     return out, refs
 
 
+# Keys a client's chat_template_kwargs may not override (the router sets them).
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "conversation"})
+
+
 async def prepare_chat(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef],
                        add_generation_prompt: bool = True, mm_processor_kwargs: dict[str, Any] | None = None,
-                       ) -> Prompt:
+                       template_kwargs: dict[str, Any] | None = None) -> Prompt:
     image_refs = [r for r in refs if r.kind == "image"]
     video_refs = [r for r in refs if r.kind == "video"]
     limit = state.config.max_images_per_request
@@ -106,8 +123,12 @@ async def prepare_chat(state: RouterState, messages: list[dict[str, Any]], refs:
     _check_videos(state, video_refs, mm_processor_kwargs)
     budget = FetchBudget(state.config.max_fetch_bytes_per_request)
     blobs = list(await asyncio.gather(*(state.images.load(ref, budget) for ref in refs)))
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                                  param="chat_template_kwargs")
     processed, by_hash = await asyncio.to_thread(_process, state, messages, refs, blobs, add_generation_prompt,
-                                                 mm_processor_kwargs)
+                                                 mm_processor_kwargs, template_kwargs or {})
     items = list(processed.mm_items)
     prompt = Prompt(token_ids=list(processed.token_ids), mm_items=items,
                     images=[by_hash[m.content_hash] for m in items])
@@ -131,7 +152,8 @@ def _check_videos(state: RouterState, refs: list[ImageRef], kwargs: dict[str, An
 
 def _process(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef],
              blobs: list[bytes], add_generation_prompt: bool = True,
-             mm_processor_kwargs: dict[str, Any] | None = None) -> tuple[Any, dict[str, bytes]]:
+             mm_processor_kwargs: dict[str, Any] | None = None,
+             template_kwargs: dict[str, Any] | None = None) -> tuple[Any, dict[str, bytes]]:
     """Read each image's size from its header and each video's frames and timing from its
     container (no pixel is decoded here: the encode instance decodes, once), apply the
     template and expand the video runs. Runs in a worker thread (hashing, demuxing and
@@ -168,7 +190,8 @@ def _process(state: RouterState, messages: list[dict[str, Any]], refs: list[Imag
         images.append(image)
         by_hash[image.content_hash] = blob
     try:
-        processed = state.processor.process(messages, images, add_generation_prompt=add_generation_prompt)
+        processed = state.processor.process(messages, images, add_generation_prompt=add_generation_prompt,
+                                            **(template_kwargs or {}))
         if videos:
             processed = expand_videos(processed, model.video_token_id, cfg.merge_size, videos)
     except ProcessorError as exc:  # the processor's contract: these are bad input

@@ -1,16 +1,27 @@
 """OpenAI-compatible request and response models (the subset Triptych serves).
 
-Unknown fields are refused (extra="forbid") and fields whose values would change the
-result but which we do not implement are refused by `unsupported_fields()`: a client
-must never get a silently different answer than it asked for.
+Unknown top-level request fields are ignored and logged, as vLLM does (its
+OpenAIBaseModel: "fields were present in the request but ignored"), so clients written
+for other servers work unchanged; inside messages, content parts and stream_options an
+unknown key is a 400 (a typo there changes what the prompt is). Known fields whose values
+would change the result but which we do not implement are refused by
+`unsupported_fields()`: a client never gets a silently different answer for a field we
+know.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from triptych.sampling_params import MAX_TOP_LOGPROBS
+
+log = logging.getLogger("triptych.router.protocol")
+
+MAX_N = 16  # choices (n or best_of) per request: each holds its own KV cache while it decodes
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
@@ -143,14 +154,19 @@ class ResponseFormat(_Strict):
         return self
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(BaseModel):
     """Fields both endpoints share. Ranges are SamplingParams' (a 400 names the field)."""
+
+    model_config = ConfigDict(extra="ignore")  # vLLM's behaviour; logged in _null_means_default
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         # Many clients send every field, unset ones as null ("n": null, "stream": null).
         if isinstance(data, dict):
+            unknown = sorted(k for k in data if k not in cls.model_fields)
+            if unknown:
+                log.warning("fields present in the request but ignored: %s", ", ".join(map(str, unknown)))
             return {k: v for k, v in data.items()
                     if v is not None or k not in cls.model_fields or cls.model_fields[k].default is None}
         return data
@@ -163,38 +179,41 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM extra
     ignore_eos: bool = False  # vLLM extra
-    min_tokens: int = 0  # vLLM extra; only 0 is supported
+    min_tokens: int = 0  # vLLM extra: EOS and stop tokens held back until this many tokens
+    min_p: float | None = None  # vLLM extra
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)  # vLLM extra: keep the prompt's last k tokens
     skip_special_tokens: bool = True  # vLLM extra
     return_token_ids: bool = False  # vLLM extra: each choice carries the generated token ids
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     user: str | None = None  # accepted, unused
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # vLLM extra
     logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # vLLM: generate best_of, return the n likeliest
     use_beam_search: bool = False  # vLLM extra
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the backend generates (best_of when set, else n)."""
+        return self.best_of if self.best_of is not None else self.n
 
     def unsupported_fields(self) -> list[tuple[str, str]]:
         """(field, why) for every field set to a value we do not implement."""
         out: list[tuple[str, str]] = []
-        if self.n != 1:
-            out.append(("n", "only n=1 is supported"))
-        if self.best_of not in (None, 1):
-            out.append(("best_of", "only best_of=1 is supported"))
+        if self.best_of is not None and self.best_of < self.n:
+            out.append(("best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"))
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            out.append(("best_of", "best_of greater than n cannot be streamed"))
         if self.use_beam_search:
             out.append(("use_beam_search", "beam search is not supported"))
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                out.append((name, f"{name} is not supported (only 0)"))
-        if self.repetition_penalty != 1.0:
-            out.append(("repetition_penalty", "repetition_penalty is not supported (only 1)"))
         if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported"))
-        if self.min_tokens != 0:
-            out.append(("min_tokens", "min_tokens is not supported (only 0)"))
+            for key in self.logit_bias:
+                if not key.lstrip("-").isdigit():
+                    out.append(("logit_bias", f"logit_bias keys must be token ids; got {key!r}"))
+                    break
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed when stream is true"))
         return out
@@ -208,7 +227,8 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: passed to the chat template
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # harmless without tools
@@ -226,8 +246,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported_fields(self) -> list[tuple[str, str]]:
         out = super().unsupported_fields()
-        if self.logprobs or self.top_logprobs:
-            out.append(("logprobs", "logprobs are not supported yet"))
+        if self.top_logprobs and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs set to true"))
         if self.functions:
             out.append(("functions", "the deprecated functions field is not supported; use tools"))
         if self.function_call not in (None, "none"):
@@ -253,7 +273,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for this endpoint
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None  # vLLM extra: structured output for completions
 
     def unsupported_fields(self) -> list[tuple[str, str]]:
@@ -262,8 +282,6 @@ class CompletionRequest(_SamplingFields):
             out.append(("echo", "echo is not supported"))
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
-        if self.logprobs is not None:
-            out.append(("logprobs", "logprobs are not supported yet"))
         return out
 
 
@@ -285,7 +303,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # {"content": [...]} (router/logprobs.py)
     finish_reason: str | None
 
 
@@ -316,7 +334,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -334,7 +352,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # tokens, token_logprobs, top_logprobs, text_offset
     finish_reason: str | None
 
 

@@ -32,3 +32,7 @@ class RouterState:
 
     def detokenizer(self, skip_special_tokens: bool) -> Detokenizer:
         return self.processor.detokenizer(skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text for logprobs (special tokens spelled out, as vLLM does)."""
+        return self.processor.decode([token_id], skip_special_tokens=False)

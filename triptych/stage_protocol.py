@@ -117,6 +117,22 @@ class MMSource(BaseModel):
     handle: Handle
 
 
+class TokenLogprob(BaseModel):
+    """One sampled token's log-prob and the top alternatives (token id, log-prob), from the
+    processed logits (worker/engine/sampling.py); the router renders OpenAI's shapes."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class ChoiceStart(BaseModel):
+    """An n > 1 request's first token of one more choice, sampled with the first token."""
+
+    token: int
+    logprob: TokenLogprob | None = None
+
+
 class KVSource(BaseModel):
     """A prefilled KV cache on another instance plus the token it sampled first.
 
@@ -129,6 +145,10 @@ class KVSource(BaseModel):
     num_tokens: int
     first_token: int
     generated: list[int] = []
+    first_logprob: TokenLogprob | None = None  # first_token's, when the request asked for logprobs
+    # n > 1 (one prefill, n decodes): the first tokens of choices 1..n-1 (choice 0's is
+    # first_token). The decode instance pulls the KV once and forks it (worker/choices.py).
+    choices: list[ChoiceStart] = []
 
 
 class StageRequest(BaseModel):
@@ -163,6 +183,8 @@ class EncodedEvent(BaseModel):
 class TokensEvent(BaseModel):
     type: Literal["tokens"] = "tokens"
     token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    index: int = 0  # the choice (n > 1)
 
 
 class PrefilledEvent(BaseModel):
@@ -177,12 +199,14 @@ class MigratingEvent(BaseModel):
 
     type: Literal["migrating"] = "migrating"
     kv: KVSource
+    index: int = 0  # the choice (n > 1)
 
 
 class FinishedEvent(BaseModel):
     type: Literal["finished"] = "finished"
     finish_reason: Literal["stop", "length", "abort"]
     timings: dict[str, float] = {}
+    index: int = 0  # the choice (n > 1); a run ends when each of its choices has finished
 
 
 class ErrorEvent(BaseModel):

@@ -29,6 +29,7 @@ from pydantic import ValidationError
 
 from triptych.stage_protocol import WORKER_KEEPALIVE_TIMEOUT_S, RoleSwitch, StageRequest
 from triptych.topology import UNASSIGNED, InstanceType
+from triptych.worker import choices
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.engine.request import RequestValidationError
 from triptych.worker.errors import BadPayloadError, NotServingError, OverloadedError, error_code, http_status
@@ -128,7 +129,8 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
             req, reserved = await prepare(inst, sreq)
         except _REFUSALS as exc:
             return _error(http_status(exc), str(exc), error_code(exc))
-        return StreamingResponse(stream(inst, sreq, req, reserved), media_type="application/x-ndjson")
+        run_stream = choices.stream if sreq.sampling.n > 1 else stream
+        return StreamingResponse(run_stream(inst, sreq, req, reserved), media_type="application/x-ndjson")
 
     @app.post("/internal/abort/{request_id}")
     async def abort(request_id: str) -> dict[str, str]:

@@ -17,18 +17,22 @@ from typing import Any
 from pydantic import BaseModel
 
 from triptych.stage_protocol import (
+    ChoiceStart,
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
     MigratingEvent,
     PrefilledEvent,
     StageRequest,
+    TokenLogprob,
     TokensEvent,
 )
 from triptych.topology import Stage
 from triptych.worker.admission import decode_payload, vision_inputs
 from triptych.worker.engine.request import PrefilledKV, Request, RequestOutput, RequestValidationError
 from triptych.worker.errors import NotServingError, engine_failure_status, http_status
+
+__all__ = ["engine_failure_status", "events_for", "prepare", "stream"]
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import observe_stages
 from triptych.worker.migration import MigrationService
@@ -73,7 +77,7 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
                       grammar=sreq.grammar)
         req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
         await _decode_videos(inst, sreq, req)
-        await _build_guide(engine, req)
+        await build_guide(engine, req)
     except BaseException:
         migration.release_embeddings(reserved)
         if prefilled is not None:
@@ -102,7 +106,7 @@ async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request
             req.vision_inputs[h] = await asyncio.to_thread(videos.prepare, req.images[h], item)
 
 
-async def _build_guide(engine: Any, req: Request) -> None:
+async def build_guide(engine: Any, req: Request) -> None:
     """Compile the request's grammar (and the tokenizer index, once) in a worker thread: a
     large schema takes a while, and the event loop serves every other stream meanwhile.
     Admission finds the matcher ready; a grammar error is a 400 (guided.GrammarError)."""
@@ -114,7 +118,18 @@ async def _build_guide(engine: Any, req: Request) -> None:
     req.guide = await asyncio.to_thread(engine.admission.guides.matcher, req.grammar, replay)
 
 
-def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int) -> list[BaseModel]:
+def _tokens_event(tokens: list[int], out: RequestOutput) -> TokensEvent:
+    """The new tokens, with their log-probs when the request asked for them. The engine
+    computes log-probs only for tokens it sampled, so they line up with `tokens` (the
+    tokens of earlier instances are skipped)."""
+    lps = out.logprobs[-len(tokens):] if out.logprobs else None
+    return TokensEvent(token_ids=tokens, logprobs=[TokenLogprob.model_validate(e) for e in lps]
+                       if lps and len(lps) == len(tokens) else None)
+
+
+def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int,
+               req: Request | None = None) -> list[BaseModel]:
+    """The stage events of one engine output (`req`: for an n > 1 prefill's other first tokens)."""
     if out.error:  # bad input was refused at add_request (400); what fails later is ours
         return [ErrorEvent(status=engine_failure_status(out), message=out.error)]
     handoff = out.handoff
@@ -123,17 +138,22 @@ def _events_for(migration: MigrationService, sreq: StageRequest, out: RequestOut
     if handoff is not None and handoff.stage == Stage.PREFILL:
         assert handoff.first_token is not None
         kv = migration.offer_kv(sreq.request_id, handoff.kv_block_ids, handoff.num_kv_tokens, handoff.first_token)
+        if out.logprobs:
+            kv.first_logprob = TokenLogprob.model_validate(out.logprobs[-1])
+        if req is not None and req.choice_firsts:
+            kv.choices = [ChoiceStart(token=t, logprob=TokenLogprob.model_validate(e) if e else None)
+                          for t, e in req.choice_firsts]
         return [PrefilledEvent(kv=kv)]
     if handoff is not None and handoff.stage == Stage.DECODE:  # migrated out (role switch, drain)
         assert handoff.first_token is not None
         kv = migration.offer_kv(sreq.request_id, handoff.kv_block_ids, handoff.num_kv_tokens, handoff.first_token)
         kv.generated = list(handoff.generated)
         tokens = out.new_token_ids[skip:]
-        return ([TokensEvent(token_ids=tokens)] if tokens else []) + [MigratingEvent(kv=kv)]
+        return ([_tokens_event(tokens, out)] if tokens else []) + [MigratingEvent(kv=kv)]
     events: list[BaseModel] = []
     tokens = out.new_token_ids[skip:]
     if tokens:
-        events.append(TokensEvent(token_ids=tokens))
+        events.append(_tokens_event(tokens, out))
     if out.finished:
         reason = out.finish_reason.value if out.finish_reason else "abort"
         events.append(FinishedEvent(finish_reason=reason, timings=out.timings or {}))
@@ -157,7 +177,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
             if reserved:  # the request now holds its own references to pulled embeddings
                 migration.release_embeddings(reserved)
                 reserved = []
-            for event in _events_for(migration, sreq, out, skip):
+            for event in events_for(migration, sreq, out, skip, req):
                 yield _line(event)
             skip = max(0, skip - len(out.new_token_ids))
             if out.finished and out.timings:

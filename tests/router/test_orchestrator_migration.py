@@ -82,3 +82,43 @@ async def test_a_decode_instance_the_registry_lost_for_a_moment_is_waited_for():
         tokens, _ = await collect(cluster.orchestrator(decode_wait_s=5.0), request(max_tokens=6))
         assert tokens == expected_tokens(request(max_tokens=6))
         assert [r.id for r in cluster["d0"].runs] == ["req", "req.d2"]
+
+
+async def test_a_migrated_choice_goes_on_through_the_bounded_decode_wait():
+    """n > 1: one choice finishes where it is, another migrates; that choice goes on alone
+    (`<id>.c1`) through `_decode`: the only other decode instance refuses it (503) at first
+    and is tried again after a pause, within decode_wait_s, with the choice's own KV."""
+    from dataclasses import replace
+
+    from triptych.stage_protocol import FinishedEvent, TokensEvent
+
+    runs: list[str] = []
+
+    def script_of(name: str):
+        return lambda sreq, normal: script(name, sreq, normal)
+
+    def script(name, sreq, normal):
+        runs.append(sreq.request_id)
+        if sreq.request_id == "req":  # choice 0 runs to the end; choice 1 moves after one token
+            tokens = [e.token_ids[0] for e in normal if isinstance(e, TokensEvent)]
+            kv = KVSource(handle={"agent": name, "request_id": "req"}, num_tokens=len(sreq.prompt_token_ids) + 1,
+                          first_token=tokens[0], generated=[sreq.kv_source.first_token])
+            return [*normal[:-1], FinishedEvent(finish_reason="length"), TokensEvent(token_ids=[tokens[0]], index=1),
+                    MigratingEvent(kv=kv, index=1)]
+        return 503 if len(runs) == 2 else normal
+
+    async with FakeCluster("1P2D") as cluster:
+        cluster["d0"].script(script_of("d0"), script_of("d0"))
+        cluster["d1"].script(script_of("d1"), script_of("d1"))
+        req = request(max_tokens=6)
+        req = replace(req, sampling=req.sampling.model_copy(update={"n": 2}))
+        by_choice: dict[int, list[int]] = {0: [], 1: []}
+        finish: dict[int, str | None] = {}
+        async for event in cluster.orchestrator(decode_wait_s=5.0).generate(req):
+            by_choice[event.index] += event.token_ids
+            finish[event.index] = event.finish_reason or finish.get(event.index)
+        answer = expected_tokens(request(max_tokens=6))
+        assert by_choice == {0: answer, 1: answer[1:]} and finish == {0: "length", 1: "length"}
+        assert runs == ["req", "req.c1.d1", "req.c1.d2"]
+        cont = [r for w in ("d0", "d1") for r in cluster[w].runs if r.id == "req.c1.d2"][0]
+        assert cont.request.kv_source.first_token == answer[1] and cont.request.sampling.n == 1

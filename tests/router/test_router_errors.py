@@ -75,7 +75,8 @@ BAD_REQUESTS = [
     ("bad-role", chat_body() | {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "user"),
     ("unknown-part-type", chat_body([{"type": "audio", "audio": "x"}]), "messages[0].content[0]", "tag"),
     ("text-part-without-text", chat_body([{"type": "text"}]), "messages[0].content[0].text", "required"),
-    ("unknown-field", chat_body(frobnicate=True), "frobnicate", "unrecognized"),
+    ("unknown-part-field", chat_body([{"type": "text", "text": "x", "frobnicate": 1}]),
+     "messages[0].content[0].frobnicate", "unrecognized"),
     ("bad-base64", with_parts(image_part(url="data:image/png;base64,@@@not base64@@@")), IMG, "base64"),
     ("not-base64-data-url", with_parts(image_part(url="data:image/png,rawbytes")), IMG, "base64"),
     ("non-image-media-type", with_parts(image_part(url=data_url(b"hello", "text/plain"))), IMG, "not an image"),
@@ -98,8 +99,23 @@ BAD_REQUESTS = [
     ("seed-huge", chat_body(seed=2**70), "seed", "less than"),
     ("too-many-stops", chat_body(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
     ("empty-stop", chat_body(stop=[""]), "stop", "empty"),
-    ("n-2", chat_body(n=2), "n", "n=1"),
-    ("logit-bias", chat_body(logit_bias={"5": 10}), "logit_bias", "not supported"),
+    ("n-zero", chat_body(n=0), "n", "greater than or equal to 1"),
+    ("n-negative", chat_body(n=-2), "n", "greater than or equal to 1"),
+    ("n-huge", chat_body(n=1000), "n", "less than or equal to"),
+    ("logit-bias-key", chat_body(logit_bias={"x5": 10}), "logit_bias", "token ids"),
+    ("logit-bias-negative-id", chat_body(logit_bias={"-5": 10}), "logit_bias", "non-negative"),
+    ("presence-penalty", chat_body(presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
+    ("frequency-penalty", chat_body(frequency_penalty=-3), "frequency_penalty", "greater than or equal to -2"),
+    ("repetition-penalty", chat_body(repetition_penalty=0), "repetition_penalty", "greater than 0"),
+    ("min-p", chat_body(min_p=1.5), "min_p", "less than or equal to 1"),
+    ("top-logprobs-over-cap", chat_body(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
+    ("top-logprobs-without-logprobs", chat_body(top_logprobs=2), "top_logprobs", "logprobs"),
+    ("min-tokens-over-max", chat_body(min_tokens=30, max_tokens=3), "min_tokens", "at most max_tokens"),
+    ("min-tokens-negative", chat_body(min_tokens=-1), "min_tokens", "greater than or equal to 0"),
+    ("best-of-below-n", chat_body(n=3, best_of=2), "best_of", "at least n"),
+    ("truncate-zero", chat_body(truncate_prompt_tokens=0), "truncate_prompt_tokens", "greater than or equal"),
+    ("template-kwargs-reserved", chat_body(chat_template_kwargs={"messages": []}), "chat_template_kwargs",
+     "may not set"),
     ("tool-malformed-schema", chat_body(tools=[{"type": "function", "function": {
         "name": "f", "parameters": {"type": "objekt"}}}]), "tools[0].function.parameters", "cannot be compiled"),
     ("tool-bad-pattern", chat_body(tools=[{"type": "function", "function": {
@@ -119,10 +135,6 @@ BAD_REQUESTS = [
      "response_format.json_schema.schema", "cannot be compiled"),
     ("response-format-unknown-type", chat_body(response_format={"type": "xml"}), "response_format.type", ""),
     ("functions-deprecated", chat_body(functions=[{"name": "f"}]), "functions", "use tools"),
-    ("presence-penalty", chat_body(presence_penalty=0.5), "presence_penalty", "not supported"),
-    ("frequency-penalty", chat_body(frequency_penalty=-1), "frequency_penalty", "not supported"),
-    ("logprobs", chat_body(logprobs=True, top_logprobs=2), "logprobs", "not supported"),
-    ("min-tokens", chat_body(min_tokens=3), "min_tokens", "not supported"),
     ("stream-options-without-stream", chat_body(stream_options={"include_usage": True}), "stream_options", ""),
     ("placeholder-in-text", chat_body("hi <|image_pad|> there"), "messages", "placeholder"),
     ("video-placeholder-in-text", chat_body("hi <|video_pad|>"), "messages", "placeholder"),
@@ -175,6 +187,15 @@ async def test_prompt_over_the_context(config, make_client, backend) -> None:
         assert (await client.post(CHAT, json=chat_body("hi", max_tokens=40 - prompt_len))).status_code == 200
 
 
+async def test_unknown_top_level_fields_are_ignored_and_logged(client, backend, caplog) -> None:
+    # vLLM's behaviour: the request runs as if the field were absent, and the log says so.
+    with caplog.at_level("WARNING", logger="triptych.router.protocol"):
+        r = await client.post(CHAT, json=chat_body(frobnicate=True))
+    assert r.status_code == 200, r.text
+    assert len(backend.requests) == 1
+    assert "frobnicate" in caplog.text
+
+
 async def test_completions_errors(client) -> None:
     url = "/v1/completions"
     assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": ["a", "b"]}), 400,
@@ -184,8 +205,12 @@ async def test_completions_errors(client) -> None:
                         param="prompt", contains="vocabulary")
     assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "echo": True}), 400,
                         param="echo")
-    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "best_of": 3}), 400,
-                        param="best_of")
+    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "best_of": 3,
+                                                     "stream": True}), 400, param="best_of")
+    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "logprobs": 21}), 400,
+                        param="logprobs")
+    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "n": -1}), 400,
+                        param="n")
     assert_openai_error(await client.post(url, json={"model": "x", "prompt": "a"}), 404, code="model_not_found")
 
 

@@ -11,6 +11,7 @@ import pytest
 from routerkit import ScriptedBackend, reply_events
 
 from triptych.router.api import create_app
+from triptych.router.backend import TokenEvent
 from triptych.router.protocol import ChatMessage, ToolDef
 from triptych.router.tools import ToolCallStream, parse_tool_calls, render_messages
 
@@ -128,3 +129,38 @@ async def test_tool_message_with_an_image_is_400(config, processor, backend) -> 
     with pytest.raises(openai.BadRequestError) as bad:
         await client.chat.completions.create(model="tiny-qwen", messages=msgs, tools=[TOOL])
     assert bad.value.body["param"] == "messages[1].content[0]" and backend.requests == []
+
+
+async def test_tool_calls_parsed_per_choice_with_n(config, processor) -> None:
+    """n > 1 with tools: each choice's text goes through its own parser (whole and streamed),
+    so one choice's calls never leak into another's, and each has its own finish_reason."""
+    texts = ("Plain answer.", "Checking. " + CALL_TEXT.replace("Oslo", "Rome"))
+    ids = [processor.encode(t) + [processor.eos_token_ids[0]] for t in texts]
+
+    def script(req) -> list[TokenEvent]:
+        events = [TokenEvent(toks[i:i + 3], index=c) for i in range(0, max(map(len, ids)), 3)
+                  for c, toks in enumerate(ids) if i < len(toks)]  # the choices interleaved
+        return events + [TokenEvent([], finish_reason="stop", index=c) for c in range(len(ids))]
+
+    backend = ScriptedBackend(script=script)
+    client = client_for(config, backend, processor)
+    msgs = [{"role": "user", "content": "Weather?"}]
+    resp = await client.chat.completions.create(model="tiny-qwen", messages=msgs, tools=[TOOL], n=2)
+    plain, called = sorted(resp.choices, key=lambda c: c.index)
+    assert (plain.message.content, plain.message.tool_calls, plain.finish_reason) == ("Plain answer.", None, "stop")
+    assert called.message.content == "Checking." and called.finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments) for c in called.message.tool_calls] == [{"city": "Rome"}]
+    assert backend.requests[-1].sampling.n == 2
+
+    stream = await client.chat.completions.create(model="tiny-qwen", messages=msgs, tools=[TOOL], n=2,
+                                                  stream=True)
+    content, calls, finish = ["", ""], [[], []], [None, None]
+    async for chunk in stream:
+        for c in chunk.choices:
+            content[c.index] += c.delta.content or ""
+            calls[c.index] += c.delta.tool_calls or []
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert content[0] == "Plain answer." and calls[0] == [] and finish[0] == "stop"
+    assert "<tool_call>" not in content[1] and content[1].strip() == "Checking." and finish[1] == "tool_calls"
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in calls[1]] == [
+        (0, "get_weather", {"city": "Rome"})]

@@ -41,6 +41,13 @@ _knobs = {
     "stop_token_ids": st.one_of(st.lists(st.integers(-3, 10**6), max_size=70), _junk),
     "stream": st.one_of(st.booleans(), _junk), "logprobs": _junk, "frobnicate": _junk,
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), _junk),
+    "top_logprobs": st.one_of(st.integers(-1, 25), _junk), "best_of": st.one_of(st.integers(-1, 4), _junk),
+    "presence_penalty": st.one_of(st.floats(-3, 3), _junk), "frequency_penalty": st.one_of(st.floats(-3, 3), _junk),
+    "repetition_penalty": st.one_of(st.floats(-1, 3), _junk), "min_p": st.one_of(st.floats(-0.5, 1.5), _junk),
+    "min_tokens": st.one_of(st.integers(-2, 20), _junk),
+    "logit_bias": st.one_of(st.dictionaries(st.one_of(st.integers(-5, 10**6).map(str), st.text(max_size=4)),
+                                            st.floats(-300, 300), max_size=3), _junk),
+    "truncate_prompt_tokens": st.one_of(st.integers(-1, 40), _junk), "chat_template_kwargs": _junk,
 }
 
 

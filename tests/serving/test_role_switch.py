@@ -6,6 +6,7 @@ transformers; nothing fails, and afterwards no instance holds a block or a lease
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -138,6 +139,52 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     print("P->D report:", report)
     assert report["role"] == "D"
     _assert_exact(model, cases, results)
+    _assert_no_leaks(_wait_idle(dep))
+
+
+async def _choices(client: httpx.AsyncClient, url: str, body: dict) -> dict[int, list[int]]:
+    """A streamed n > 1 chat completion: each choice's token ids (checking each token came
+    with its log-prob entry, across the migration)."""
+    ids: dict[int, list[int]] = {}
+    logprobs: dict[int, int] = {}
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[len("data: "):])
+                assert "error" not in chunk, chunk
+                for c in chunk["choices"]:
+                    ids.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+                    entries = (c.get("logprobs") or {}).get("content") or []
+                    logprobs[c["index"]] = logprobs.get(c["index"], 0) + len(entries)
+    assert logprobs == {i: len(x) for i, x in ids.items()}
+    return ids
+
+
+def test_n_choices_migrate_one_by_one_exactly(epd4) -> None:
+    """A D switched away mid-stream hands over each choice of n > 1 requests (forked KV
+    copies): every choice goes on elsewhere from its next token, exactly."""
+    model, dep = epd4
+    time.sleep(1.5)
+    cases = _cases(3, seed_base=3400)
+    taken_over = _migrated_in(dep)
+
+    async def run() -> tuple[list[dict[int, list[int]]], dict]:
+        async with httpx.AsyncClient(timeout=180) as client:
+            tasks = [asyncio.create_task(_choices(client, dep.router_url, c.openai_body(model.name) | {"n": 3, "logprobs": True}))
+                     for c in cases]
+            await asyncio.sleep(0.2)
+            report = await asyncio.to_thread(_switch_a_busy_d, dep, "P")
+            return await asyncio.gather(*tasks), report
+
+    results, report = asyncio.run(run())
+    assert report["migrated"] >= 1, report
+    for case, got in zip(cases, results, strict=True):
+        want = servekit.expected_ids(model, case)
+        assert got == {0: want, 1: want, 2: want}, case.index
+    assert _migrated_in(dep) - taken_over == report["migrated"]
+    time.sleep(1.5)
+    _switch(dep, report["instance"], "D")
     _assert_no_leaks(_wait_idle(dep))
 
 

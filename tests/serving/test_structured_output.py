@@ -196,3 +196,40 @@ def test_bad_schemas_are_400(deployment) -> None:
     for err in asyncio.run(run()):
         assert err.status_code == 400
         assert err.body["type"] == "invalid_request_error" and err.body["message"] and err.body["param"], err.body
+
+
+def test_n_choices_each_follow_the_grammar(deployment) -> None:
+    """n > 1 with response_format and with a forced tool_choice: one prefill samples every
+    choice's first token under the grammar, each forked choice decodes under a matcher
+    replayed from its own tokens, and the router parses each choice's tool call on its own."""
+    dep, model = deployment
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    msg = [{"role": "user", "content": "A person."}]
+
+    async def run() -> tuple:
+        c = client(dep)
+        whole = await c.chat.completions.create(model=model, messages=msg, n=4, temperature=1, seed=5,
+                                                max_tokens=80, response_format=fmt)
+        stream = await c.chat.completions.create(model=model, messages=msg, n=3, temperature=1, seed=6,
+                                                 max_tokens=80, response_format=fmt, stream=True)
+        streamed = ["", "", ""]
+        async for chunk in stream:
+            for ch in chunk.choices:
+                streamed[ch.index] += ch.delta.content or ""
+        tools = await c.chat.completions.create(model=model, messages=msg, n=2, temperature=1, seed=7,
+                                                max_tokens=64, tools=[WEATHER], tool_choice="required")
+        return whole, streamed, tools
+
+    whole, streamed, tools = asyncio.run(run())
+    assert sorted(ch.index for ch in whole.choices) == [0, 1, 2, 3]
+    for ch in whole.choices:
+        assert ch.finish_reason == "stop", ch
+        jsonschema.validate(json.loads(ch.message.content), SCHEMA)
+    assert len({ch.message.content for ch in whole.choices}) > 1  # own seed streams, not one copy
+    for text in streamed:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(tools.choices) == 2
+    for ch in tools.choices:
+        assert ch.finish_reason == "tool_calls" and not ch.message.content, ch
+        (call,) = ch.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])

@@ -432,3 +432,33 @@ async def test_an_unexpected_step_failure_fails_requests_instead_of_hanging(qwen
         assert e.stats()["kv_cache"]["used"] == 0
     finally:
         e.stop()
+
+
+def test_n_choices_fork_one_prefill_into_seeded_streams(qwen2_vl_dir: Path) -> None:
+    """n > 1 at the engine (worker/choices.py drives this over HTTP): the prefill samples
+    each choice's first token with its own seed, `fork_kv` copies the prompt's KV, and each
+    choice decodes exactly what an n=1 request with that choice's seed does alone."""
+    from triptych.sampling_params import choice_seed
+
+    eng = _engine(qwen2_vl_dir)
+    prompt = [(7 * j) % 500 + 3 for j in range(37)]  # spans blocks, the last one partly full
+    params = _params(temperature=1.0, seed=1234, max_tokens=6, ignore_eos=True, n=3)
+    pre = Request("p", prompt, params, stages={Stage.PREFILL})
+    eng.generate_batch([pre])
+    assert pre.status == RequestStatus.PARKED and len(pre.choice_firsts) == 2
+    assert eng.stats()["counters"]["prefill_tokens"] == len(prompt)
+    firsts = [pre.handoff.first_token, *(t for t, _ in pre.choice_firsts)]
+    children = []
+    for i, first in enumerate(firsts):
+        blocks = eng.fork_kv(pre.handoff.kv_block_ids, pre.handoff.num_kv_tokens)
+        children.append(Request(f"c{i}", prompt, params.for_choice(i), stages={Stage.DECODE},
+                                prefilled=PrefilledKV(blocks, len(prompt), first)))
+    eng.release("p")
+    eng.generate_batch(children)
+    assert eng.stats()["counters"]["prefill_tokens"] == len(prompt)  # no prompt token computed again
+    alone = [Request(f"a{i}", prompt, params.model_copy(update={"n": 1, "seed": choice_seed(1234, i)}))
+             for i in range(3)]
+    eng.generate_batch(alone)
+    assert [c.output_token_ids for c in children] == [a.output_token_ids for a in alone]
+    assert len({tuple(c.output_token_ids) for c in children}) == 3
+    assert eng.kv.num_used == 0

@@ -94,3 +94,39 @@ def test_mask_keeps_only_allowed_tokens_on_guided_rows(qwen2_vl_dir: Path) -> No
     proc = processor(qwen2_vl_dir)
     texts = {proc.tokenizer.decode([t]) for t in allowed}
     assert allowed and all("true".startswith(t) or "false".startswith(t) for t in texts), texts
+
+
+def test_n_choices_each_guided_from_their_own_first_token(qwen2_vl_dir: Path) -> None:
+    """n > 1 with a grammar: the prefill's extra first-token rows are masked too (each first
+    token is one the grammar allows), and each forked choice decodes under a matcher replayed
+    from its own first token (worker/choices.py) exactly what a guided n=1 request with that
+    choice's seed does alone; every choice is a valid object."""
+    from triptych.sampling_params import choice_seed
+
+    proc = processor(qwen2_vl_dir)
+    engine = _engine(qwen2_vl_dir, InstanceType.EPD)
+    grammar = schema_grammar(SCHEMA, "schema")
+    case = make_cases(1)[0]
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=60, n=3)
+    pre = to_request(proc, case, "p", params, grammar=grammar, stages={Stage.PREFILL})
+    engine.generate_batch([pre])
+    firsts = [pre.handoff.first_token, *(t for t, _ in pre.choice_firsts)]
+    assert len(firsts) == 3
+    children = []
+    for i, first in enumerate(firsts):
+        blocks = engine.fork_kv(pre.handoff.kv_block_ids, pre.handoff.num_kv_tokens)
+        child = to_request(proc, case, f"c{i}", params.for_choice(i), grammar=grammar, stages={Stage.DECODE},
+                           prefilled=PrefilledKV(blocks, pre.handoff.num_kv_tokens, first))
+        child.images = {}
+        child.guide = engine.admission.guides.matcher(grammar, [first])  # raises if the mask was skipped
+        children.append(child)
+    engine.release("p")
+    engine.generate_batch(children)
+    alone = [to_request(proc, case, f"a{i}", params.model_copy(update={"n": 1, "seed": choice_seed(11, i)}),
+                        grammar=grammar) for i in range(3)]
+    engine.generate_batch(alone)
+    for child, single, first in zip(children, alone, firsts, strict=True):
+        assert child.output_token_ids[0] == first and child.output_token_ids == single.output_token_ids
+        jsonschema.validate(json.loads(proc.tokenizer.decode(single.output_token_ids)), SCHEMA)
+    assert len({tuple(c.output_token_ids) for c in children}) > 1  # the seed streams differ
+    assert engine.kv.num_used == 0

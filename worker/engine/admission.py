@@ -91,6 +91,10 @@ class Admission:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise RequestValidationError(f"token id {bad[0]} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        bad = [t for t in req.params.logit_bias if t >= self.spec.vocab_size]
+        if bad:
+            raise RequestValidationError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                                         f"(0..{self.spec.vocab_size - 1})")
 
     def _validate_kv_capacity(self, req: Request) -> None:
         if self.kv is None or req.stop_after == Stage.ENCODE:

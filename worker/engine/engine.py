@@ -98,6 +98,7 @@ class Engine:
         self.scheduler = Scheduler(SchedulerConfig(tokens, images, self.config.max_num_seqs), self.kv, self.mm)
         self.scheduler.counters = self.runner.counters = counters
         self.output = OutputProcessor(self.scheduler, self._requests, self._known_ids, eos_ids, self.max_model_len)
+        self.runner.eos_ids = self.output.eos_ids
 
     def set_role(self, role: InstanceType) -> PartsChanged:
         """Serve `role` from now on, in place (role_change.py): kept weights and caches stay,
@@ -145,7 +146,7 @@ class Engine:
 
     @eos_ids.setter
     def eos_ids(self, ids: Iterable[int]) -> None:
-        self.output.eos_ids = frozenset(ids)
+        self.output.eos_ids = self.runner.eos_ids = frozenset(ids)
 
     # --- requests in ------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -194,6 +195,19 @@ class Engine:
             raise StageNotServedError(f"this {self.role.value} instance holds no KV cache")
         with self._lock:
             return self.kv.allocate(self.kv.blocks_for(num_tokens))
+
+    def fork_kv(self, block_ids: list[int], num_tokens: int) -> list[int]:
+        """New blocks holding a copy of the first `num_tokens` tokens' KV in `block_ids` (an
+        n > 1 request's prompt, one copy per choice). The source blocks are not written
+        while they are copied: they belong to a parked or not yet admitted request."""
+        if self.kv is None:
+            raise StageNotServedError(f"this {self.role.value} instance holds no KV cache")
+        with self._lock:
+            new = self.kv.allocate(self.kv.blocks_for(num_tokens))
+        src = torch.tensor(block_ids[:len(new)], device=self.kv.tensor.device)
+        dst = torch.tensor(new, device=self.kv.tensor.device)
+        self.kv.tensor.index_copy_(0, dst, self.kv.tensor.index_select(0, src))
+        return new
 
     def free_kv(self, block_ids: list[int]) -> None:
         assert self.kv is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from triptych.worker.engine.guided import mask_logits
 from triptych.worker.engine.kv_cache import KVCache
 from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.request import Request
-from triptych.worker.engine.sampling import SampleRow, sample
+from triptych.worker.engine.sampling import SampleRow, choice_seed, sample
 from triptych.worker.engine.scheduler import Chunk, Counters
 
 # What a forward sampled, keyed by id(request): (token, logprob entry or None).
@@ -40,6 +41,7 @@ class ModelRunner:
         self.device = device
         self.counters = counters or Counters()
         self._lock = lock  # the engine's: guards cache allocation against reserve_* callers
+        self.eos_ids: frozenset[int] = frozenset()  # what min_tokens holds back (the engine sets it)
 
     # --- encode -------------------------------------------------------------------------
     def run_encodes(self, encodes: list[tuple[Request, int]]) -> None:
@@ -85,13 +87,35 @@ class ModelRunner:
         rows, sampling = sample_rows(chunks)
         if not rows:
             return {}
+        srows = [self.sample_row(c.req) for c in sampling]
+        # An n > 1 request's first token: choices 1..n-1 sample theirs from the same logits
+        # with their own seeds (one prefill, n first tokens; worker/choices.py forks the KV).
+        forks: list[tuple[Request, int]] = []
+        for row, c in zip(list(rows), sampling, strict=True):
+            if c.req.params.n > 1 and not c.req.output_token_ids:
+                for i in range(1, c.req.params.n):
+                    rows.append(row)
+                    srows.append(replace(self.sample_row(c.req), seed=choice_seed(c.req.seed, i)))
+                    forks.append((c.req, i))
         logits = self.language.logits(hidden[torch.tensor(rows, device=hidden.device)])
-        # Grammars (structured output, forced tool calls) mask before any sampling rule.
-        logits = mask_logits(logits, [c.req.guide for c in sampling])
-        result = sample(logits, [SampleRow(c.req.params, c.req.seed, len(c.req.output_token_ids))
-                                 for c in sampling])
-        return {id(c.req): (tok, lp) for c, tok, lp in zip(sampling, result.token_ids, result.logprobs,
+        # Grammars (structured output, forced tool calls) mask before any sampling rule. An
+        # n > 1 request's extra first-token rows share its guide: no choice has advanced it yet.
+        guides = [c.req.guide for c in sampling] + [req.guide for req, _ in forks]
+        logits = mask_logits(logits, guides)
+        result = sample(logits, srows)
+        k = len(sampling)
+        for (req, _), tok, lp in zip(forks, result.token_ids[k:], result.logprobs[k:], strict=True):
+            req.choice_firsts.append((tok, lp))
+        return {id(c.req): (tok, lp) for c, tok, lp in zip(sampling, result.token_ids[:k], result.logprobs[:k],
                                                             strict=True)}
+
+    def sample_row(self, req: Request) -> SampleRow:
+        params = req.params
+        stop_ids: frozenset[int] = frozenset()
+        if len(req.output_token_ids) < params.min_tokens:  # only min_tokens reads them
+            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        return SampleRow(params, req.seed, len(req.output_token_ids), prompt_ids=req.prompt_token_ids,
+                         output_ids=req.output_token_ids, stop_ids=stop_ids)
 
     # --- profiling hooks (profiler.py) -------------------------------------------------
     @torch.inference_mode()

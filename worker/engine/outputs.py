@@ -79,7 +79,9 @@ class OutputProcessor:
             req.timings.first_token = now
         params = req.params
         reason: FinishReason | None = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+        if params.n > 1 and Stage.DECODE not in req.stages:
+            pass  # n choices: the fork decides which of them the first token ends (worker/choices.py)
+        elif token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
             reason = FinishReason.STOP
         elif req.guide is not None and not req.guide.advance(token):  # masking makes this a bug
             return self.finish(req, FinishReason.ERROR, f"token {token} is not allowed by the request's "
@@ -88,8 +90,10 @@ class OutputProcessor:
             reason = FinishReason.STOP
         elif len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
-        # Stop strings are not looked for in the text of a stop token or EOS.
-        if self._add_text(req, token, last=reason is not None, check=reason != FinishReason.STOP):
+        # Stop strings are not looked for in the text of a stop token or EOS, nor before
+        # min_tokens (vLLM's rule; the sampler masks stop tokens until then).
+        check = reason != FinishReason.STOP and len(req.output_token_ids) >= params.min_tokens and params.n == 1
+        if self._add_text(req, token, last=reason is not None, check=check):
             reason = FinishReason.STOP
         if reason is not None:
             return self.finish(req, reason)

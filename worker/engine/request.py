@@ -208,6 +208,9 @@ class Request:
     decode_text: Callable[[list[int]], str] | None = field(default=None, init=False)
     logprobs: list[dict[str, Any]] = field(default_factory=list, init=False)
     sent_logprobs_len: int = field(default=0, init=False)
+    # n > 1: the first tokens (and log-prob entries) of choices 1..n-1, sampled with the
+    # first token from the same logits (model_runner.py); worker/choices.py forks them.
+    choice_firsts: list[tuple[int, dict[str, Any] | None]] = field(default_factory=list, init=False)
     guide: Any = field(default=None, init=False)  # guided.Guide, built at admission from `grammar`
 
     def __post_init__(self) -> None:
