@@ -29,6 +29,7 @@ class Instance:
     instance_id: str = ""
     inflight: int = 0  # requests this router has on it now
     switching_to: str | None = None  # the role it is switching to (offload -> migrate -> onload)
+    block_size: int = 16  # its KV block size: prompts are hashed into blocks of it (prefix routing)
 
     def can_run(self, stage: Stage) -> bool:
         return self.ready and not self.draining and self.role is not None and self.role.runs(stage)
@@ -78,6 +79,7 @@ class Registry:
             inst.draining = bool(body.get("draining", False))
             inst.load = float(body.get("load", 0.0))
             inst.instance_id = str(body.get("instance_id", ""))
+            inst.block_size = max(1, int(body.get("block_size", inst.block_size)))
             inst.failures = 0
         except (httpx.HTTPError, ValueError) as exc:
             inst.failures += 1

@@ -78,7 +78,7 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     async def health() -> JSONResponse:
         body = {"status": inst.status, "role": inst.role, "instance_id": settings.instance_id,
                 "load": inst.load(), "draining": inst.draining, "transport": inst.transport,
-                "target_role": inst.target_role}
+                "target_role": inst.target_role, "block_size": settings.block_size}
         return JSONResponse(body, status_code=200 if inst.status in ("ok", "unassigned") else 503)
 
     @app.get("/ready")
@@ -182,6 +182,7 @@ def cli_main(args: argparse.Namespace) -> int:
         "model": str(args.model), "role": args.role,
         "instance_id": args.instance_id or f"{args.role}-{args.port}", "device": args.device,
         "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
+        "enable_prefix_caching": not args.no_prefix_caching,
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66)})
     try:

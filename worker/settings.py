@@ -18,6 +18,7 @@ class WorkerSettings(BaseModel):
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
     num_mm_blocks: int | None = None
     transfer_require: Literal["any", "nixl"] = "any"
     lease_seconds: float = 30.0
