@@ -66,6 +66,7 @@ class OrchestratorConfig:
     affinity_entries: int = 4096  # image hashes remembered (an LRU; a stale entry only costs an encode)
     prefix_routing: bool = True  # prefill where the prompt's prefix is likely cached (routing.PrefixRouting)
     prefix_weight: float = 8.0  # queued requests a whole-prompt cache hit is worth
+    prefix_min_tokens: int = 64  # shorter hits (a chat template's header) leave the choice to the policy
     prefix_entries: int = 1 << 18  # prompt block hashes remembered (an LRU; a stale one costs a prefill)
     abort_timeout_s: float = 2.0
     per_token_timeout_s: float = 1.0  # a decode hop's deadline grows with max_tokens
@@ -184,7 +185,8 @@ class Orchestrator:
     def _plan(self, req: GenerationRequest, excluded: set[str]) -> Plan:
         """The attempt's plan; its decisions are counted and its image placement remembered."""
         cfg = self.config
-        prefix = (PrefixRouting(self.prefixes, req.prompt_token_ids, req.mm_items, cfg.prefix_weight)
+        prefix = (PrefixRouting(self.prefixes, req.prompt_token_ids, req.mm_items, cfg.prefix_weight,
+                                cfg.prefix_min_tokens)
                   if cfg.prefix_routing else None)
         try:
             plan = plan_request(self.registry, self.chooser, [m.content_hash for m in req.mm_items], excluded,

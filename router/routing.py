@@ -141,7 +141,9 @@ class PrefixRouting:
     and the cheapest wins; ties go to the stage's policy. With no candidate known to hold
     any of the prompt's blocks, the policy chooses alone. `weight` is how many queued
     requests a whole-prompt hit is worth: 0 turns prefix routing off, a large one sends
-    every request to the holder however loaded it is.
+    every request to the holder however loaded it is. A hit shorter than `min_tokens`
+    counts as none: a chat template's shared header would otherwise pull every request
+    to one instance for a saving of a block or two.
 
     The prompt's block hashes are the workers' chain (`triptych.prefix_hash`) at each
     instance's reported block size."""
@@ -150,6 +152,7 @@ class PrefixRouting:
     token_ids: Sequence[int]
     mm_items: Sequence[Any]
     weight: float = 8.0
+    min_tokens: int = 64
     _hashes: dict[int, list[BlockHash]] = field(default_factory=dict)
 
     def hashes(self, block_size: int) -> list[BlockHash]:
@@ -159,8 +162,8 @@ class PrefixRouting:
 
     def cached_share(self, inst: Instance) -> float:
         """The share of the prompt `inst` likely holds in its prefix cache."""
-        n = self.index.matched_blocks(self.hashes(inst.block_size), inst.url)
-        return min(1.0, n * inst.block_size / max(1, len(self.token_ids)))
+        tokens = self.index.matched_blocks(self.hashes(inst.block_size), inst.url) * inst.block_size
+        return 0.0 if tokens < self.min_tokens else min(1.0, tokens / max(1, len(self.token_ids)))
 
     def choose(self, chooser: Chooser, stage: Stage, candidates: Sequence[Instance]) -> tuple[Instance, bool]:
         """The instance, and whether its cached prefix decided it."""

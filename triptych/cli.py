@@ -220,6 +220,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-routing-weight", type=float, default=8.0,
                    help="queued requests a whole-prompt prefix-cache hit is worth when choosing the prefill "
                         "instance (0: ignore prefixes; large: always the holder)")
+    p.add_argument("--prefix-routing-min-tokens", type=int, default=64,
+                   help="cached prefixes shorter than this (a chat template's header) do not steer routing")
     p.add_argument("--max-inflight-requests", type=int, default=512,
                    help="over this many requests in flight, new ones get 429 with Retry-After")
     p.add_argument("--max-instance-load", type=float, default=None,

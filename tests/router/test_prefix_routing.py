@@ -27,8 +27,8 @@ def _registry(*urls: str, role: InstanceType = InstanceType.EPD) -> Registry:
 
 
 def _prefill_url(reg: Registry, chooser: Chooser, index: PrefixIndex, prompt: list[int], items=(),
-                 weight: float = 8.0) -> tuple[str, str]:
-    prefix = PrefixRouting(index, prompt, list(items), weight)
+                 weight: float = 8.0, min_tokens: int = 16) -> tuple[str, str]:
+    prefix = PrefixRouting(index, prompt, list(items), weight, min_tokens)
     plan = plan_request(reg, chooser, [it.content_hash for it in items], prefix=prefix)
     hop = next(h for h in plan.hops if Stage.PREFILL in h.stages)
     prefix.remember(hop.instance)
@@ -74,9 +74,16 @@ def test_the_same_text_with_another_image_is_not_a_hit() -> None:
     assert _prefill_url(reg, chooser, index, *prompt("x")) == ("http://a", "prefix")
     # Another image of the same size (the same token ids): only the block before it matches.
     ids, items = prompt("y")
-    assert PrefixRouting(index, ids, items).cached_share(reg.instances["http://a"]) == 16 / len(ids)
+    assert PrefixRouting(index, ids, items, min_tokens=16).cached_share(reg.instances["http://a"]) == 16 / len(ids)
     reg.instances["http://a"].load = 1  # so a 1-block hit no longer outweighs a's load
     assert _prefill_url(reg, chooser, index, ids, items) == ("http://b", "chosen")
+
+
+def test_a_short_shared_header_does_not_steer() -> None:
+    reg, chooser, index = _registry("http://a", "http://b"), Chooser(), PrefixIndex(1000)
+    assert _prefill_url(reg, chooser, index, SHARED[:48] + [900], min_tokens=64)[0] == "http://a"
+    assert _prefill_url(reg, chooser, index, SHARED[:48] + [901], min_tokens=64) == ("http://b", "chosen")
+    assert _prefill_url(reg, chooser, index, SHARED[:48] + [902], min_tokens=48) == ("http://a", "prefix")
 
 
 def test_the_index_is_a_bounded_lru_and_forgets_a_failed_instance() -> None:
