@@ -142,7 +142,7 @@ def test_preemption_with_cached_blocks(qwen2_vl_dir: Path) -> None:
     reqs = _run(engine, qwen2_vl_dir, specs)
     c = _counters(engine)
     assert c["preemptions"] > 0 and any(r.num_preemptions for r in reqs)
-    assert c["prefix_cache_hits"] > 0
+    assert c["prefix_cache_hits"] > 0 and engine.stats()["kv_cache"]["evicted"] > 0
     _assert_no_leak(engine)
 
 
@@ -232,3 +232,48 @@ def test_hash_chain_mixes_in_image_content_and_is_stable() -> None:
     assert block_hashes(ids, [Item("x")], 4, num_tokens=11) == x[:2]
     assert x[0] == block_hashes(ids[:4], [], 4)[0] != block_hashes(ids, [Item("x", offset=3)], 4)[0]
     assert x == block_hashes(list(ids), [Item("x")], 4)  # deterministic (no per-process hash seed)
+
+
+def test_a_parked_handoff_keeps_its_shared_blocks_under_eviction_pressure(qwen2_vl_dir: Path) -> None:
+    """P parks a prefill for D to pull; while its lease is out, requests share its cached
+    prefix and others force evictions: its blocks are never evicted or overwritten, and D
+    decodes from them exactly."""
+    from triptych.sampling_params import SamplingParams
+    from triptych.topology import InstanceType, Stage
+    from triptych.worker.engine.request import PrefilledKV
+
+    proc = processor(qwen2_vl_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=10)
+    held = to_request(proc, _case(QUESTIONS[1]), "held", params, stages={Stage.PREFILL})
+    per_request = -(-(held.num_prompt_tokens + 1) // 16) + 1
+    p = _engine(qwen2_vl_dir, role=InstanceType.P, block_size=16, num_kv_blocks=2 * per_request + 1)
+    p.generate_batch([held])
+    handoff = held.handoff
+    assert held.status == RequestStatus.PARKED and p.kv.num_cached > 0
+    snapshot = p.kv.tensor[handoff.kv_block_ids].clone()
+    before = _counters(p)
+    sharer = to_request(proc, _case(QUESTIONS[2]), "sharer", params, stages={Stage.PREFILL})
+    p.generate_batch([sharer])  # hits the parked request's blocks
+    assert _counters(p)["prefix_cache_hits"] > before["prefix_cache_hits"]
+    assert set(sharer.handoff.kv_block_ids) & set(handoff.kv_block_ids)
+    p.release("sharer")
+    for i in range(3):  # unrelated prompts: each allocation must evict unreferenced cached blocks
+        other = to_request(proc, _case(QUESTIONS[3 + i], system=f"{i} " * 150), f"o{i}", params,
+                           stages={Stage.PREFILL})
+        p.generate_batch([other])
+        assert other.status == RequestStatus.PARKED, other.error
+        p.release(other.request_id)
+        p.step()
+    assert p.stats()["kv_cache"]["evicted"] > 0
+    assert torch.equal(p.kv.tensor[handoff.kv_block_ids], snapshot)
+    d = _engine(qwen2_vl_dir, role=InstanceType.D, block_size=16, num_kv_blocks=64)
+    ids = d.reserve_kv(handoff.num_kv_tokens)
+    d.kv.tensor[ids] = p.kv.tensor[handoff.kv_block_ids]
+    dr = to_request(proc, _case(QUESTIONS[1]), "held", params, stages={Stage.DECODE},
+                    prefilled=PrefilledKV(ids, handoff.num_kv_tokens, handoff.first_token))
+    d.generate_batch([dr])
+    assert tuple(dr.output_token_ids) == _hf(qwen2_vl_dir, QUESTIONS[1])
+    p.release("held")
+    p.step()
+    _assert_no_leak(p)
+    _assert_no_leak(d)

@@ -335,6 +335,7 @@ class Engine:
                 # references (evictable), counted again in cached
                 out["kv_cache"] = {"num_blocks": self.kv.num_blocks, "used": self.kv.num_used,
                                    "free": self.kv.num_free, "cached": self.kv.num_cached,
+                                   "evicted": self.kv.num_evicted,
                                    "block_size": self.kv.block_size, "bytes": self.kv.nbytes,
                                    "prefix_caching": self.kv.prefix is not None}
             if self.mm is not None:

@@ -101,6 +101,11 @@ class KVCache:
         return self.prefix.num_cached if self.prefix is not None else 0
 
     @property
+    def num_evicted(self) -> int:
+        """Cached blocks given to new allocations so far (their prefix forgotten)."""
+        return self.prefix.num_evicted if self.prefix is not None else 0
+
+    @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 

@@ -24,6 +24,7 @@ class PrefixCache:
         self._hash_of: dict[int, BlockHash] = {}
         # Cached blocks with no reference, least recently freed first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.num_evicted = 0
 
     @property
     def num_cached(self) -> int:
@@ -67,6 +68,7 @@ class PrefixCache:
     def evict(self) -> int:
         """Forget the least recently freed unreferenced block and hand it out for reuse."""
         block, _ = self._evictable.popitem(last=False)
+        self.num_evicted += 1
         del self._by_hash[self._hash_of.pop(block)]
         return block
 
