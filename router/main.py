@@ -110,6 +110,8 @@ def cli_main(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from exc
     orch = OrchestratorConfig(stage_timeout_s=args.stage_timeout, parallel_encode=not args.no_parallel_encode,
                               cache_affinity=not args.no_cache_affinity,
+                              prefix_routing=not args.no_prefix_routing, prefix_weight=args.prefix_routing_weight,
+                              prefix_min_tokens=args.prefix_routing_min_tokens,
                               max_inflight=args.max_inflight_requests, max_instance_load=args.max_instance_load)
     check_bind(args.host, config, getattr(args, "allow_no_api_key", False))
     app = build(config, list(args.workers), chooser, orch, discovery=_discovery(args))

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import httpx
 from prometheus_client import CollectorRegistry
 
-from triptych.router.affinity import AffinityIndex
+from triptych.router.affinity import AffinityIndex, PrefixIndex
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
 from triptych.router.registry import Instance, Registry
 from triptych.router.routing import (
@@ -31,6 +31,7 @@ from triptych.router.routing import (
     EncodeRun,
     NoInstanceError,
     Plan,
+    PrefixRouting,
     plan_request,
     stages_for,
 )
@@ -65,6 +66,10 @@ class OrchestratorConfig:
     parallel_encode: bool = True  # EPDServe §3.2.2 intra-request parallelism
     cache_affinity: bool = True  # send an image to the instance whose MM cache holds it
     affinity_entries: int = 4096  # image hashes remembered (an LRU; a stale entry only costs an encode)
+    prefix_routing: bool = True  # prefill where the prompt's prefix is likely cached (routing.PrefixRouting)
+    prefix_weight: float = 8.0  # queued requests a whole-prompt cache hit is worth
+    prefix_min_tokens: int = 64  # shorter hits (a chat template's header) leave the choice to the policy
+    prefix_entries: int = 1 << 18  # prompt block hashes remembered (an LRU; a stale one costs a prefill)
     abort_timeout_s: float = 2.0
     per_token_timeout_s: float = 1.0  # a decode hop's deadline grows with max_tokens
     max_inflight: int = 512  # requests in flight before new ones get 429
@@ -100,6 +105,7 @@ class Orchestrator:
         self.chooser = chooser or Chooser()
         self.config = config or OrchestratorConfig()
         self.affinity = AffinityIndex(self.config.affinity_entries)
+        self.prefixes = PrefixIndex(self.config.prefix_entries)
         self.metrics = RoutingMetrics(metrics_registry, registry)
         self.stages = StageClient(client, self.metrics)
         self.inflight = 0
@@ -173,6 +179,7 @@ class Orchestrator:
                 return
             except StageFailure as failure:
                 self.registry.mark_failed(failure.instance.url)
+                self.prefixes.forget(failure.instance.url)  # it may come back empty (a restart)
                 excluded.add(failure.instance.url)
                 last_error = str(failure)
                 if started:
@@ -186,10 +193,14 @@ class Orchestrator:
 
     def _plan(self, req: GenerationRequest, excluded: set[str]) -> Plan:
         """The attempt's plan; its decisions are counted and its image placement remembered."""
+        cfg = self.config
+        prefix = (PrefixRouting(self.prefixes, req.prompt_token_ids, req.mm_items, cfg.prefix_weight,
+                                cfg.prefix_min_tokens)
+                  if cfg.prefix_routing else None)
         try:
             plan = plan_request(self.registry, self.chooser, [m.content_hash for m in req.mm_items], excluded,
-                                parallel_encode=self.config.parallel_encode,
-                                affinity=self.affinity if self.config.cache_affinity else None)
+                                parallel_encode=cfg.parallel_encode,
+                                affinity=self.affinity if cfg.cache_affinity else None, prefix=prefix)
         except NoInstanceError as exc:
             self._decide(exc.stage, "no_instance")
             raise BackendError(503, str(exc), retry_after=self.config.retry_after_s) from exc
@@ -198,6 +209,8 @@ class Orchestrator:
             self.affinity.remember(content_hash, url)
         if self.videos is not None and any(m.kind == "video" for m in req.mm_items):
             plan = replace(plan, decoders=tuple(self.registry.video_decoders(excluded)))
+        if prefix is not None:
+            prefix.remember(next(hop.instance for hop in plan.hops if Stage.PREFILL in hop.stages))
         return plan
 
     def _deadline(self, stages: Sequence[Stage], req: GenerationRequest) -> float:

@@ -32,6 +32,7 @@ class Instance:
     # Bumped when a switch starts or ends: a probe answered across that moment describes the
     # instance as it was and is dropped (a slow answer must not put back the old role).
     epoch: int = 0
+    block_size: int = 16  # its KV block size: prompts are hashed into blocks of it (prefix routing)
 
     def can_run(self, stage: Stage) -> bool:
         return self.ready and not self.draining and self.role is not None and self.role.runs(stage)
@@ -93,6 +94,7 @@ class Registry:
             inst.draining = bool(body.get("draining", False))
             inst.load = float(body.get("load", 0.0))
             inst.instance_id = str(body.get("instance_id", ""))
+            inst.block_size = max(1, int(body.get("block_size", inst.block_size)))
             inst.failures = 0
         except (httpx.HTTPError, ValueError) as exc:
             if inst.epoch != epoch:

@@ -4,7 +4,10 @@ Rule: walk the stages E -> P -> D; keep the request on the instance that ran the
 stage when it can run this one too (no transfer), otherwise choose among the instances
 that can by the stage's policy. Images of one request may be spread over several
 encode-capable instances (intra-request parallel encoding, EPDServe §3.2.2), and an image
-goes where its embedding is likely cached (affinity.py).
+goes where its embedding is likely cached (affinity.py). The instance that prefills (or
+runs the request whole) is chosen by the longest cached prompt prefix, balanced against
+load (`PrefixRouting`, as llm-d's and Dynamo's KV-aware routers do), when one likely
+holds a prefix of it.
 
 `plan_request` returns the final `Plan`: the encode-only runs to do first, then the hops
 in order, each saying which images it encodes itself. Plans are immutable; the
@@ -18,8 +21,10 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
-from triptych.router.affinity import AffinityIndex
+from triptych.prefix_hash import BlockHash, block_hashes
+from triptych.router.affinity import AffinityIndex, PrefixIndex
 from triptych.router.registry import Instance, Registry
 from triptych.topology import STAGE_ORDER, Stage
 
@@ -39,6 +44,7 @@ class NoInstanceError(RuntimeError):
 
 
 AFFINITY_POLICY = "cache-affinity"  # the policy label of an image placed by affinity
+PREFIX_POLICY = "prefix-aware"  # the policy label of a prefill placed by its cached prefix
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,7 @@ class Hop:
     instance: Instance
     stages: tuple[Stage, ...]
     images: tuple[str, ...] = ()  # content hashes this hop encodes itself (with ENCODE in stages)
+    by_prefix: bool = False  # placed by PrefixRouting (a cached prompt prefix), not by policy
 
 
 @dataclass(frozen=True)
@@ -126,31 +133,99 @@ def _pressure(inst: Instance) -> tuple[float, int]:
     return (inst.load + inst.inflight, inst.inflight)
 
 
+@dataclass
+class PrefixRouting:
+    """Prefix-aware choice of the instance that prefills one request (llm-d's
+    prefix-cache + load scorers; Dynamo's KV router cost `overlap weight x blocks to
+    prefill + load`). Each candidate costs
+
+        weight x (share of the prompt it would prefill) + its load (requests queued and in flight)
+
+    and the cheapest wins; ties go to the stage's policy. With no candidate known to hold
+    any of the prompt's blocks, the policy chooses alone. `weight` is how many queued
+    requests a whole-prompt hit is worth: 0 turns prefix routing off, a large one sends
+    every request to the holder however loaded it is. A hit shorter than `min_tokens`
+    counts as none: a chat template's shared header would otherwise pull every request
+    to one instance for a saving of a block or two.
+
+    The prompt's block hashes are the workers' chain (`triptych.prefix_hash`) at each
+    instance's reported block size."""
+
+    index: PrefixIndex
+    token_ids: Sequence[int]
+    mm_items: Sequence[Any]
+    weight: float = 8.0
+    min_tokens: int = 64
+    _hashes: dict[int, list[BlockHash]] = field(default_factory=dict)
+
+    def hashes(self, block_size: int) -> list[BlockHash]:
+        if block_size not in self._hashes:
+            self._hashes[block_size] = block_hashes(self.token_ids, self.mm_items, block_size)
+        return self._hashes[block_size]
+
+    def cached_share(self, inst: Instance) -> float:
+        """The share of the prompt `inst` likely holds in its prefix cache."""
+        tokens = self.index.matched_blocks(self.hashes(inst.block_size), inst.url) * inst.block_size
+        return 0.0 if tokens < self.min_tokens else min(1.0, tokens / max(1, len(self.token_ids)))
+
+    def choose(self, chooser: Chooser, stage: Stage, candidates: Sequence[Instance]) -> tuple[Instance, bool]:
+        """The instance, and whether its cached prefix decided it."""
+        if not candidates:
+            raise NoInstanceError(stage)
+        shares = {inst.url: self.cached_share(inst) for inst in candidates}
+        if self.weight <= 0 or not any(shares.values()):
+            return chooser.choose(stage, candidates), False
+        cost = {inst.url: self.weight * (1 - shares[inst.url]) + _pressure(inst)[0] for inst in candidates}
+        best = min(cost.values())
+        tied = [inst for inst in candidates if cost[inst.url] == best]
+        inst = tied[0] if len(tied) == 1 else chooser.choose(stage, tied)  # a lone winner leaves the cursor be
+        return inst, shares[inst.url] > 0
+
+    def remember(self, inst: Instance) -> None:
+        """`inst` prefills the prompt: from now on it likely holds its full blocks."""
+        self.index.remember(self.hashes(inst.block_size), inst.url)
+
+
 def stages_for(has_images: bool) -> list[Stage]:
     return list(STAGE_ORDER) if has_images else [Stage.PREFILL, Stage.DECODE]
 
 
 def plan_path(registry: Registry, chooser: Chooser, stages: Sequence[Stage],
-              exclude: set[str] | frozenset[str] = frozenset()) -> list[Hop]:
-    """Group the stages into hops, one per instance, following the keep-local rule."""
-    groups: list[tuple[Instance, list[Stage]]] = []
+              exclude: set[str] | frozenset[str] = frozenset(), prefix: PrefixRouting | None = None
+              ) -> list[Hop]:
+    """Group the stages into hops, one per instance, following the keep-local rule. With
+    `prefix`, the instance that will prefill is chosen by its cached prompt prefix."""
+    groups: list[tuple[Instance, list[Stage], bool]] = []
     for stage in stages:
         if groups and groups[-1][0].can_run(stage):
             groups[-1][1].append(stage)
             continue
-        groups.append((chooser.choose(stage, registry.capable(stage, exclude)), [stage]))
-    return [Hop(inst, tuple(group)) for inst, group in groups]
+        candidates = registry.capable(stage, exclude)
+        if prefix is not None and _will_prefill(stage, candidates):
+            inst, by_prefix = prefix.choose(chooser, stage, candidates)
+        else:
+            inst, by_prefix = chooser.choose(stage, candidates), False
+        groups.append((inst, [stage], by_prefix))
+    return [Hop(inst, tuple(group), by_prefix=by_prefix) for inst, group, by_prefix in groups]
+
+
+def _will_prefill(stage: Stage, candidates: Sequence[Instance]) -> bool:
+    """The chosen instance prefills: the prefill stage itself, or an encode whose every
+    candidate also prefills (keep-local then runs the prefill there too)."""
+    if stage is Stage.PREFILL:
+        return True
+    return stage is Stage.ENCODE and bool(candidates) and all(c.can_run(Stage.PREFILL) for c in candidates)
 
 
 def plan_request(registry: Registry, chooser: Chooser, image_hashes: Sequence[str],
                  exclude: set[str] | frozenset[str] = frozenset(), *, parallel_encode: bool = True,
-                 affinity: AffinityIndex | None = None) -> Plan:
-    """The whole path of one request: hops by the keep-local rule, then where each distinct
-    image is encoded (IRP spread, then affinity, which wins). Raises NoInstanceError."""
+                 affinity: AffinityIndex | None = None, prefix: PrefixRouting | None = None) -> Plan:
+    """The whole path of one request: hops by the keep-local rule (the prefill's instance
+    by cached prefix, with `prefix`), then where each distinct image is encoded (IRP
+    spread, then affinity, which wins). Raises NoInstanceError."""
     hashes = list(dict.fromkeys(image_hashes))
-    path = plan_path(registry, chooser, stages_for(bool(hashes)), exclude)
-    decisions = [Decision(stage, chooser.policy_for(stage).value, "chosen" if i == 0 else "kept_local")
-                 for hop in path for i, stage in enumerate(hop.stages)]
+    path = plan_path(registry, chooser, stages_for(bool(hashes)), exclude, prefix)
+    decisions = [_decision(chooser, hop, i, stage) for hop in path for i, stage in enumerate(hop.stages)]
     if not hashes:
         return Plan((), tuple(path), (), tuple(decisions))
     if parallel_encode and len(hashes) > 1:
@@ -164,6 +239,14 @@ def plan_request(registry: Registry, chooser: Chooser, image_hashes: Sequence[st
     placement = list(zip(hashes, picks, strict=True))
     encodes, hops = _encode_where_placed(path, placement)
     return Plan(encodes, hops, tuple((h, inst.url) for h, inst in placement), tuple(decisions))
+
+
+def _decision(chooser: Chooser, hop: Hop, i: int, stage: Stage) -> Decision:
+    if i > 0:
+        return Decision(stage, chooser.policy_for(stage).value, "kept_local")
+    if hop.by_prefix:
+        return Decision(stage, PREFIX_POLICY, "prefix")
+    return Decision(stage, chooser.policy_for(stage).value, "chosen")
 
 
 def _encode_where_placed(path: list[Hop], placement: list[tuple[str, Instance]]
@@ -182,7 +265,7 @@ def _encode_where_placed(path: list[Hop], placement: list[tuple[str, Instance]]
         if inst is not prefill.instance:
             remote.setdefault(inst.url, (inst, []))[1].append(h)
     encodes = tuple(EncodeRun(inst, tuple(hs)) for inst, hs in remote.values())
-    return encodes, (*hops[:at], Hop(prefill.instance, stages, local), *hops[at + 1:])
+    return encodes, (*hops[:at], Hop(prefill.instance, stages, local, prefill.by_prefix), *hops[at + 1:])
 
 
 def spread_images(registry: Registry, chooser: Chooser, num_images: int, first: Instance,

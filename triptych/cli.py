@@ -182,6 +182,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn automatic prefix caching off (on by default: prompts reuse cached KV blocks)")
     p.add_argument("--num-mm-blocks", type=int, default=None)
     p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     p.add_argument("--lease-seconds", type=float, default=30.0)
@@ -239,6 +241,13 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
                    help="encode all of a request's images on one instance (no IRP)")
     p.add_argument("--no-cache-affinity", action="store_true",
                    help="do not send a known image to the instance that holds its embedding")
+    p.add_argument("--no-prefix-routing", action="store_true",
+                   help="choose the prefill instance by policy alone, not by where the prompt's prefix is cached")
+    p.add_argument("--prefix-routing-weight", type=float, default=8.0,
+                   help="queued requests a whole-prompt prefix-cache hit is worth when choosing the prefill "
+                        "instance (0: ignore prefixes; large: always the holder)")
+    p.add_argument("--prefix-routing-min-tokens", type=int, default=64,
+                   help="cached prefixes shorter than this (a chat template's header) do not steer routing")
     p.add_argument("--max-inflight-requests", type=int, default=512,
                    help="over this many requests in flight, new ones get 429 with Retry-After")
     p.add_argument("--max-instance-load", type=float, default=None,

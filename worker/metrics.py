@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from triptych.topology import Stage
@@ -39,17 +39,26 @@ class InstanceCollector(Collector):
         leases = GaugeMetricFamily("triptych_worker_leases_outstanding", "Hand-overs not yet pulled",
                                    labels=labels)
         leases.add_metric(values, inst.leases_outstanding())
+        # Automatic prefix caching, in prompt tokens (vLLM's prefix_cache_queries/hits).
+        hits = CounterMetricFamily("triptych_worker_prefix_cache_hits", "Prompt tokens found in the "
+                                   "prefix cache (not computed)", labels=labels)
+        queries = CounterMetricFamily("triptych_worker_prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix cache", labels=labels)
         if inst.engine is not None:
             stats = inst.engine.stats()
+            hits.add_metric(values, stats["counters"]["prefix_cache_hits"])
+            queries.add_metric(values, stats["counters"]["prefix_cache_queries"])
             for state in ("waiting", "running", "parked"):
                 queue.add_metric([*values, state], stats[f"num_{state}"])
             for cache in ("kv_cache", "mm_cache"):
-                for state in ("used", "free", "referenced"):
+                for state in ("used", "free", "referenced", "cached"):
                     if cache in stats and state in stats[cache]:
                         blocks.add_metric([*values, cache.removesuffix("_cache"), state], stats[cache][state])
         yield queue
         yield blocks
         yield leases
+        yield hits
+        yield queries
 
 
 def stage_breakdown(stages: set[Stage], t: dict[str, float]) -> dict[tuple[str, str], float]:

@@ -68,7 +68,7 @@ class Observed:
     stats: dict[str, dict[str, Any]]
     rise: dict[str, dict[str, int]]
     num_images: int
-    prompt_tokens: int
+    prompt_tokens: int  # to compute: those not found in a prefix cache (a shared chat header)
     mm_all: int  # bytes of every image's embeddings
     kv_bytes: int  # bytes of the prefilled KV of every request that decodes past token 1
 
@@ -104,9 +104,10 @@ def test_greedy_parity_and_hops(served: Served) -> None:
     # KV moves only for requests that go on past their first token (sampled on the P side).
     _, kv_bytes = servekit.expected_transfer_bytes(
         model, [c for c, w in zip(cases, expected, strict=True) if len(w) > 1], after)
-    obs = Observed(dep, after, {n: {k: v - before[n]["counters"][k] for k, v in s["counters"].items()}
-                                for n, s in after.items()},
-                   sum(len(c.images) for c in cases), servekit.prompt_tokens(model, cases), mm_all, kv_bytes)
+    rise = {n: {k: v - before[n]["counters"][k] for k, v in s["counters"].items()} for n, s in after.items()}
+    cached = sum(r["prefix_cache_hits"] for r in rise.values())
+    obs = Observed(dep, after, rise, sum(len(c.images) for c in cases),
+                   servekit.prompt_tokens(model, cases) - cached, mm_all, kv_bytes)
     assert sum(r["images_encoded"] for r in obs.rise.values()) == obs.num_images, obs.rise  # none twice
     assert sum(r["prefill_tokens"] for r in obs.rise.values()) == obs.prompt_tokens, obs.rise
     _CHECKS[frozenset(t.value for t in dep.topology)](obs)

@@ -34,7 +34,10 @@ def _wait_idle(dep, timeout_s: float = 30.0) -> dict:
 def _assert_no_leaks(stats: dict) -> None:
     for name, s in stats.items():
         if "kv_cache" in s:
-            assert s["kv_cache"]["used"] == 0, (name, s["kv_cache"])
+            # used: blocks a request or lease references. Prefix-cached blocks nobody
+            # references stay cached but are free (evictable): every block can be allocated.
+            kv = s["kv_cache"]
+            assert kv["used"] == 0 and kv["free"] == kv["num_blocks"], (name, kv)
         if "mm_cache" in s:
             assert s["mm_cache"]["referenced"] == 0, (name, s["mm_cache"])
         assert s["leases_outstanding"] == 0 and s["inflight"] == 0, (name, s)

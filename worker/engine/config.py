@@ -44,6 +44,9 @@ class EngineConfig(BaseModel):
     # A D instance holds an MM cache too, so that a switch to P (or PD) in place allocates
     # and registers nothing (EPDServe §3.2.4; the worker sets it: roles change at run time).
     keep_mm_cache: bool = False
+    # Automatic prefix caching (prefix_cache.py): full KV blocks are kept, named by a hash
+    # chain over token ids and image content hashes, and shared by later prompts.
+    enable_prefix_caching: bool = True
     # Tests: scramble the free lists so block tables are non-contiguous.
     shuffle_seed: int | None = None
 
@@ -63,7 +66,8 @@ def make_kv_cache(cfg: EngineConfig, spec: ModelSpec, max_model_len: int) -> KVC
         n = max(1, min(cfg.kv_cache_bytes // per_block, enough))
     return KVCache(num_blocks=n, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                    head_dim=spec.head_dim, block_size=cfg.block_size, dtype=cfg.torch_dtype,
-                   device=cfg.device, shuffle_seed=cfg.shuffle_seed)
+                   device=cfg.device, shuffle_seed=cfg.shuffle_seed,
+                   prefix_caching=cfg.enable_prefix_caching)
 
 
 def make_mm_cache(cfg: EngineConfig, spec: ModelSpec, max_model_len: int) -> MMCache:

@@ -345,9 +345,13 @@ class Engine:
                 "counters": sched.counters.as_dict(),
             }
             if self.kv is not None:
+                # used: referenced by a request or lease; free includes cached blocks nobody
+                # references (evictable), counted again in cached
                 out["kv_cache"] = {"num_blocks": self.kv.num_blocks, "used": self.kv.num_used,
-                                   "free": self.kv.num_free, "block_size": self.kv.block_size,
-                                   "bytes": self.kv.nbytes}
+                                   "free": self.kv.num_free, "cached": self.kv.num_cached,
+                                   "evicted": self.kv.num_evicted,
+                                   "block_size": self.kv.block_size, "bytes": self.kv.nbytes,
+                                   "prefix_caching": self.kv.prefix is not None}
             if self.mm is not None:
                 out["mm_cache"] = {"num_blocks": self.mm.num_blocks, "used": self.mm.num_used,
                                    "free": self.mm.num_free, "referenced": self.mm.num_referenced,

@@ -4,6 +4,11 @@ Layout `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` (block-
 one block of one request is one contiguous region, so the transfer layer registers the
 tensor once with NIXL and moves a request's KV as one descriptor per block. The tensor is
 never reallocated. A request's blocks need not be contiguous or ordered.
+
+Blocks are reference-counted: with prefix caching (prefix_cache.py) several requests read
+the same cached prefix blocks, and a block goes back to the free list (or, if it is
+cached, to the prefix cache's LRU of evictable blocks) when its last reference goes.
+`num_used` counts referenced blocks; cached blocks nobody references count as free.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ import random
 from collections import deque
 
 import torch
+
+from triptych.prefix_hash import BlockHash
+from triptych.worker.engine.prefix_cache import PrefixCache
 
 
 class OutOfBlocksError(RuntimeError):
@@ -63,13 +71,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class KVCache:
     def __init__(self, *, num_blocks: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  block_size: int, dtype: torch.dtype, device: str | torch.device,
-                 shuffle_seed: int | None = None) -> None:
+                 shuffle_seed: int | None = None, prefix_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.block_size = block_size
         self.tensor = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim,
                                   dtype=dtype, device=device)
-        self.allocator = BlockAllocator(num_blocks, shuffle_seed)
+        self.allocator = BlockAllocator(num_blocks, shuffle_seed)  # blocks holding no cached prefix
+        self.prefix: PrefixCache | None = PrefixCache() if prefix_caching else None
+        self._refs: dict[int, int] = {}  # referenced blocks -> number of references
 
     @property
     def num_blocks(self) -> int:
@@ -77,11 +87,23 @@ class KVCache:
 
     @property
     def num_free(self) -> int:
-        return self.allocator.num_free
+        """Blocks an allocation can have: never-cached ones plus unreferenced cached ones."""
+        return self.allocator.num_free + (self.prefix.num_evictable if self.prefix is not None else 0)
 
     @property
     def num_used(self) -> int:
-        return self.allocator.num_used
+        """Blocks some request or lease holds a reference to."""
+        return len(self._refs)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache, referenced or not."""
+        return self.prefix.num_cached if self.prefix is not None else 0
+
+    @property
+    def num_evicted(self) -> int:
+        """Cached blocks given to new allocations so far (their prefix forgotten)."""
+        return self.prefix.num_evicted if self.prefix is not None else 0
 
     @property
     def nbytes(self) -> int:
@@ -94,8 +116,54 @@ class KVCache:
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)
 
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free
+
     def allocate(self, n: int) -> list[int]:
-        return self.allocator.allocate(n)
+        """`n` blocks with one reference each: never-cached blocks first, then the least
+        recently freed cached ones (evicted: their prefix is forgotten)."""
+        if n > self.num_free:
+            raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
+        fresh = min(n, self.allocator.num_free)
+        ids = self.allocator.allocate(fresh)
+        while len(ids) < n:
+            assert self.prefix is not None
+            ids.append(self.prefix.evict())
+        for i in ids:
+            self._refs[i] = 1
+        return ids
 
     def free(self, ids: list[int]) -> None:
-        self.allocator.free(ids)
+        """Drop one reference to each block. The tail goes first, so that of a request's
+        cached blocks its last ones are evicted before its first (shared) ones."""
+        for i in ids:
+            if i not in self._refs:
+                raise ValueError(f"block {i} is not allocated (double free?)")
+        for i in reversed(ids):
+            self._refs[i] -= 1
+            if self._refs[i] > 0:
+                continue
+            del self._refs[i]
+            if self.prefix is not None and self.prefix.is_cached(i):
+                self.prefix.unreferenced(i)
+            else:
+                self.allocator.free([i])
+
+    # --- prefix caching ------------------------------------------------------------------
+    def cached_prefix(self, hashes: list[BlockHash]) -> list[int]:
+        """Blocks already holding the longest run of `hashes` (no reference taken)."""
+        return self.prefix.longest_prefix(hashes) if self.prefix is not None else []
+
+    def touch(self, ids: list[int]) -> None:
+        """Take a reference to each (cached) block."""
+        for i in ids:
+            if i in self._refs:
+                self._refs[i] += 1
+            else:
+                assert self.prefix is not None and self.prefix.is_cached(i), f"block {i} is neither held nor cached"
+                self.prefix.referenced(i)
+                self._refs[i] = 1
+
+    def register(self, block: int, block_hash: BlockHash) -> bool:
+        """Name a full, computed block so later prompts can share it."""
+        return self.prefix is not None and self.prefix.register(block, block_hash)

@@ -54,6 +54,7 @@ class OutputProcessor:
                 counters.prefill_tokens += c.num_tokens
             req.num_computed_tokens = c.end
             self.scheduler.release_passed_mm(req)
+            self.scheduler.cache_computed(req)
             got = sampled.get(id(req))
             if got is None:
                 update_status(req, running=True)

@@ -30,6 +30,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Protocol
 
 from triptych import processor
+from triptych.prefix_hash import extend_chain
 from triptych.sampling_params import SamplingParams
 from triptych.stop_strings import StopMatcher
 from triptych.topology import Stage
@@ -186,6 +187,10 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     prefill_done: bool = field(default=False, init=False)
     block_ids: list[int] = field(default_factory=list, init=False)
+    # Prefix caching (prefix_cache.py): the hash chain of the full blocks of all_token_ids
+    # (grown as tokens come), and how many of block_ids are registered in the cache.
+    block_hashes: list[bytes] = field(default_factory=list, init=False)
+    num_cached_blocks: int = field(default=0, init=False)
     mm_entries: list[MMEntry | None] = field(default_factory=list, init=False)
     vision_inputs: dict[str, Any] = field(default_factory=dict, init=False)  # hash -> VisionInput
     seed: int | None = field(default=None, init=False)  # resolved at admission
@@ -252,6 +257,12 @@ class Request:
             if stage in self.stages:
                 return stage
         raise RequestValidationError("a request needs at least one stage")
+
+    def hashes_upto(self, num_tokens: int, block_size: int) -> list[bytes]:
+        """The block hash chain over the first `num_tokens` tokens (full blocks only)."""
+        if len(self.block_hashes) < num_tokens // block_size:
+            extend_chain(self.block_hashes, self.all_token_ids, self.mm_items, block_size, num_tokens)
+        return self.block_hashes[:num_tokens // block_size]
 
     def token_at(self, index: int) -> int:
         n = len(self.prompt_token_ids)

@@ -19,6 +19,14 @@ its blocks are freed and it goes back to the head of the queue; its prompt plus 
 it has generated are prefilled again later (vLLM's recompute preemption). Requests whose
 KV was filled by another instance and whose image embeddings this engine never had cannot
 be recomputed and are never chosen.
+
+Automatic prefix caching (prefix_cache.py): when a waiting request is admitted for
+prefill, it takes references to the cached blocks holding the longest prefix of its
+tokens and starts computing after them (always at least its last token, whose logits give
+the first sample). Full blocks it computes are registered after each step. A request
+whose next uncached block is being computed right now by a running prefill waits for it
+(one step, usually) instead of computing it a second time: a burst of requests sharing a
+system prompt computes it once.
 """
 
 from __future__ import annotations
@@ -81,6 +89,8 @@ class Counters:
     handed_back: int = 0  # queued requests given back unstarted (role switch)
     migrated_out: int = 0  # decodes parked for another instance to go on with
     migrated_in: int = 0  # decodes taken over mid-stream from another instance
+    prefix_cache_queries: int = 0  # tokens of admitted prefills looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached (not computed)
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
@@ -104,6 +114,8 @@ class Scheduler:
         self.counters = Counters()
         self._tokens_left = 0
         self._images_left = 0
+        self._prefill_blocked = False
+        self._inflight: set[bytes] = set()  # hashes of blocks running prefills are computing
 
     # --- queue management -------------------------------------------------------------
     @property
@@ -188,33 +200,96 @@ class Scheduler:
                 self._schedule_encodes(req, batch)
 
     def _admit_waiting(self, batch: ScheduledBatch) -> None:
-        prefill_blocked = False  # FIFO: once one prefill waits for KV, later ones wait too
+        self._prefill_blocked = False  # FIFO: once one prefill waits for KV, later ones wait too
+        self._inflight = self._blocks_in_flight()
         for req in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs:
                 return
-            admitted = False
-            if self._needs_encode(req):
-                if self._images_left <= 0:
-                    continue
-                self._admit(req)
-                self._schedule_encodes(req, batch)
-                admitted = True  # its text before the first image may prefill right away
-            elif not self._runs_prefill(req):
-                self._admit(req)  # encode-only request whose embeddings were all cached
-                continue
-            if prefill_blocked or self._tokens_left <= 0 or not self._runs_prefill(req):
-                continue
-            n = self._chunk_len(req)
-            if n <= 0:
-                continue  # waits for embeddings (being encoded, or pulled into the MM cache)
-            assert self.kv is not None
-            if not self.kv.allocator.can_allocate(self.kv.blocks_for(req.num_computed_tokens + n)):
-                prefill_blocked = True
-                continue
-            if not admitted:
-                self._admit(req)
-            self._reserve_kv(req, req.num_computed_tokens + n, batch)
-            self._add_prefill_chunk(batch, req, n)
+            looked_up = self._attach_cached_prefix(req)
+            if looked_up is None:
+                continue  # its next block is being computed by a running prefill: wait for it
+            self._try_admit(req, batch)
+            if req in self.waiting:
+                self._detach(req)  # a waiting request holds no blocks (not preemptible)
+            elif looked_up:
+                self._count_hit(req)
+
+    def _try_admit(self, req: Request, batch: ScheduledBatch) -> None:
+        admitted = False
+        if self._needs_encode(req):
+            if self._images_left <= 0:
+                return
+            self._admit(req)
+            self._schedule_encodes(req, batch)
+            admitted = True  # its text before the first image may prefill right away
+        elif not self._runs_prefill(req):
+            self._admit(req)  # encode-only request whose embeddings were all cached
+            return
+        if self._prefill_blocked or self._tokens_left <= 0 or not self._runs_prefill(req):
+            return
+        n = self._chunk_len(req)
+        if n <= 0:
+            return  # waits for embeddings (being encoded, or pulled into the MM cache)
+        assert self.kv is not None
+        if not self.kv.can_allocate(self.kv.blocks_for(req.num_computed_tokens + n) - len(req.block_ids)):
+            self._prefill_blocked = True
+            return
+        if not admitted:
+            self._admit(req)
+        self._reserve_kv(req, req.num_computed_tokens + n, batch)
+        self._add_prefill_chunk(batch, req, n)
+
+    # --- prefix caching ---------------------------------------------------------------
+    def _caches_prefix(self, req: Request) -> bool:
+        return (self.kv is not None and self.kv.prefix is not None and req.prefilled is None
+                and req.stop_after != Stage.ENCODE)
+
+    def _attach_cached_prefix(self, req: Request) -> bool | None:
+        """Start a fresh prefill after its longest cached prefix: True if looked up, False
+        if the request does not use the prefix cache, None if the block after its cached
+        prefix is being computed by a running prefill (it waits, holding nothing)."""
+        if not self._caches_prefix(req) or req.num_computed_tokens or req.block_ids:
+            return False
+        assert self.kv is not None
+        # The last token is always computed: its hidden state gives the first sample.
+        hashes = req.hashes_upto(req.num_tokens - 1, self.kv.block_size)
+        hit = self.kv.cached_prefix(hashes)
+        if len(hit) < len(hashes) and hashes[len(hit)] in self._inflight:
+            return None
+        self.kv.touch(hit)
+        req.block_ids = list(hit)
+        req.num_cached_blocks = len(hit)
+        req.num_computed_tokens = len(hit) * self.kv.block_size
+        return True
+
+    def _detach(self, req: Request) -> None:
+        self._free_kv(req)
+        req.num_computed_tokens = 0
+
+    def _count_hit(self, req: Request) -> None:
+        assert self.kv is not None
+        self.counters.prefix_cache_queries += req.num_tokens
+        self.counters.prefix_cache_hits += req.num_cached_blocks * self.kv.block_size
+        self._inflight.update(req.hashes_upto(req.num_tokens, self.kv.block_size)[req.num_cached_blocks:])
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        if self.kv is None or self.kv.prefix is None:
+            return set()
+        return {h for r in self.running if not r.prefill_done and self._caches_prefix(r)
+                for h in r.hashes_upto(r.num_tokens, self.kv.block_size)[r.num_cached_blocks:]}
+
+    def cache_computed(self, req: Request) -> None:
+        """Register the full blocks `req` has computed since the last call."""
+        kv = self.kv
+        if kv is None or kv.prefix is None or not self._caches_prefix(req):
+            return
+        full = min(req.num_computed_tokens // kv.block_size, len(req.block_ids))
+        if full <= req.num_cached_blocks:
+            return
+        hashes = req.hashes_upto(full * kv.block_size, kv.block_size)
+        for i in range(req.num_cached_blocks, full):
+            kv.register(req.block_ids[i], hashes[i])
+        req.num_cached_blocks = full
 
     # --- helpers ----------------------------------------------------------------------
     def _admit(self, req: Request) -> None:
@@ -312,7 +387,7 @@ class Scheduler:
             self._tokens_left += chunk.num_tokens
         self.running.remove(victim)
         self._free_kv(victim)
-        victim.num_computed_tokens = 0
+        victim.num_computed_tokens = 0  # a recompute finds its own blocks cached, if not evicted
         victim.prefill_done = False
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -323,6 +398,7 @@ class Scheduler:
         if self.kv is not None and req.block_ids:
             self.kv.free(req.block_ids)
         req.block_ids = []
+        req.num_cached_blocks = 0
 
 
 def update_status(req: Request, *, running: bool, prefilling: bool = False) -> None:
