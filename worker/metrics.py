@@ -22,6 +22,15 @@ STAGE_SECONDS: Histogram = registry_metric(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 
+# The planner's per-stage queue signals (operator/planner/signals.py), one series per stage
+# the instance's role runs.
+QUEUED_HELP = {
+    "requests": "Requests queued on this instance, by the next stage they need here",
+    "tokens": "Prompt tokens still to prefill on this instance (prefill only)",
+    "images": "Images still to encode on this instance (encode only)",
+}
+
+
 class InstanceCollector(Collector):
     """Queue depths, cache occupancy and outstanding leases, read at scrape time."""
 
@@ -39,7 +48,13 @@ class InstanceCollector(Collector):
         leases = GaugeMetricFamily("triptych_worker_leases_outstanding", "Hand-overs not yet pulled",
                                    labels=labels)
         leases.add_metric(values, inst.leases_outstanding())
+        per_stage = {field: GaugeMetricFamily(f"triptych_worker_queued_{field}", help_text, labels=[*labels, "stage"])
+                     for field, help_text in QUEUED_HELP.items()}
         if inst.engine is not None:
+            queued = inst.engine.queued_work()
+            for stage in sorted(inst.engine.role.stages, key=list(Stage).index):
+                for field, family in per_stage.items():
+                    family.add_metric([*values, stage.value], getattr(queued[stage], field))
             stats = inst.engine.stats()
             for state in ("waiting", "running", "parked"):
                 queue.add_metric([*values, state], stats[f"num_{state}"])
@@ -50,6 +65,7 @@ class InstanceCollector(Collector):
         yield queue
         yield blocks
         yield leases
+        yield from per_stage.values()
 
 
 def stage_breakdown(stages: set[Stage], t: dict[str, float]) -> dict[tuple[str, str], float]:
