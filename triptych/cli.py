@@ -78,6 +78,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--image-size", type=int, nargs=2, default=[64, 64])
     s.add_argument("--prompt-len", type=int, default=32)
     s.add_argument("--output-len", type=int, default=16)
+    s.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay this JSON-lines trace ({t, images, prompt_tokens, output_tokens} a line) "
+                        "instead of the synthetic Poisson workload")
+    s.add_argument("--trace-rates", type=float, nargs="+", default=None,
+                   help="with --trace: re-time the trace to these mean rates (default: its own times)")
     s.add_argument("--ttft-slo", type=float, default=2.0)
     s.add_argument("--tbt-slo", type=float, default=0.2)
     s.add_argument("--plot", default=None, help="write attainment-vs-rate PNG here")
