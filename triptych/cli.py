@@ -133,7 +133,37 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_lazy("triptych.bench.idle_cpu:cli_main"))
+    _add_bench_simulate_validate(bsub)
     _add_bench_video(bsub)
+
+
+def _add_bench_simulate_validate(bsub: argparse._SubParsersAction) -> None:
+    v = bsub.add_parser("simulate-validate",
+                        help="the planner's simulator vs measured local runs of the same trace (TTFT/TPOT error)")
+    v.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    v.add_argument("--topologies", default="EPD,1EP1D,1E1P1D")
+    v.add_argument("--rates", type=float, nargs="+", default=[1.0, 3.0])
+    v.add_argument("--num-requests", type=int, default=16)
+    v.add_argument("--images-per-request", type=int, default=1)
+    v.add_argument("--image-size", type=int, nargs=2, default=[224, 224])
+    v.add_argument("--prompt-tokens", type=int, default=32, help="text tokens per request")
+    v.add_argument("--output-tokens", type=int, default=16)
+    v.add_argument("--instance-cpus", type=_cpus, default=0.5, metavar="X", help="CPU quota of every instance")
+    v.add_argument("--priority", type=_cpus, default=1.0, metavar="K",
+                   help="weight of each capped instance per CPU of quota (see bench neighbours)")
+    v.add_argument("--profile", default=None, help="a profile JSON (default: measure one at the quota)")
+    v.add_argument("--save-profile", default=None, help="where the measured profile goes")
+    v.add_argument("--fit-overheads", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit the fixed per-step and per-request costs from a lone request per topology")
+    v.add_argument("--ttft-slo", type=float, default=2.0)
+    v.add_argument("--tbt-slo", type=float, default=0.2)
+    v.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
+    v.add_argument("--request-timeout", type=float, default=120.0)
+    v.add_argument("--log-dir", default=None)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--json", action="store_true")
+    v.add_argument("--out-json", default=None, help="also write the JSON report here")
+    v.set_defaults(func=_lazy("triptych.bench.sim_validate:cli_main"))
 
 
 def _add_bench_video(bsub: argparse._SubParsersAction) -> None:
@@ -359,6 +389,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--migration-bytes-per-s", type=float, default=None,
                    help="measured transfer bandwidth (default: an in-memory copy here)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024], help="prefill sizes")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="decode batch sizes")
+    p.add_argument("--contexts", type=int, nargs="+", default=[32, 256, 1024], help="decode context lengths")
     p.set_defaults(func=_lazy("triptych.worker.step_profile:cli_main"))
 
 
