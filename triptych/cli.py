@@ -134,7 +134,40 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_lazy("triptych.bench.idle_cpu:cli_main"))
     _add_bench_simulate_validate(bsub)
+    _add_bench_autoscale_shift(bsub)
     _add_bench_video(bsub)
+
+
+def _add_bench_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
+    a = bsub.add_parser("autoscale-shift",
+                        help="serve --autoscale vs static under a workload shift (SLO attainment, lost requests)")
+    a.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    a.add_argument("--topology", default="2E1P1D")
+    a.add_argument("--instance-cpus", type=_cpus, default=0.5, metavar="X", help="CPU quota of every instance")
+    a.add_argument("--priority", type=_cpus, default=1.0, metavar="K",
+                   help="weight of each capped instance per CPU of quota (see bench neighbours)")
+    a.add_argument("--rate", type=float, default=2.0, help="requests/s in both phases")
+    a.add_argument("--phase-seconds", type=float, default=40.0, help="length of each phase")
+    a.add_argument("--image-size", type=int, nargs=2, default=[224, 224])
+    a.add_argument("--before-images", type=int, default=2)
+    a.add_argument("--before-prompt", type=int, default=32, help="text tokens before the shift")
+    a.add_argument("--before-output", type=int, default=16)
+    a.add_argument("--after-images", type=int, default=0)
+    a.add_argument("--after-prompt", type=int, default=800, help="text tokens after the shift")
+    a.add_argument("--after-output", type=int, default=16)
+    a.add_argument("--ttft-slo", type=float, default=1.0)
+    a.add_argument("--tbt-slo", type=float, default=0.2)
+    a.add_argument("--interval", type=float, default=2.0, help="planner: seconds between decisions")
+    a.add_argument("--sustain", type=int, default=2, help="planner: snapshots a trigger must hold")
+    a.add_argument("--role-switch-cooldown", type=float, default=15.0)
+    a.add_argument("--max-queue-per-instance", type=float, default=4.0)
+    a.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
+    a.add_argument("--request-timeout", type=float, default=120.0)
+    a.add_argument("--log-dir", default=None)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--json", action="store_true")
+    a.add_argument("--out-json", default=None, help="also write the JSON report here")
+    a.set_defaults(func=_lazy("triptych.bench.autoscale_shift:cli_main"))
 
 
 def _add_bench_simulate_validate(bsub: argparse._SubParsersAction) -> None:
@@ -155,6 +188,9 @@ def _add_bench_simulate_validate(bsub: argparse._SubParsersAction) -> None:
     v.add_argument("--save-profile", default=None, help="where the measured profile goes")
     v.add_argument("--fit-overheads", action=argparse.BooleanOptionalAction, default=True,
                    help="fit the fixed per-step and per-request costs from a lone request per topology")
+    v.add_argument("--fit-request-work", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --fit-overheads: charge the instances' CPU per request, beyond their steps, "
+                        "as busy time (else all of it is latency)")
     v.add_argument("--ttft-slo", type=float, default=2.0)
     v.add_argument("--tbt-slo", type=float, default=0.2)
     v.add_argument("--transfer-require", choices=("any", "nixl"), default="any")

@@ -32,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ import httpx
 
 from triptych.bench.client import discover, send_request
 from triptych.bench.errors import BenchError
+from triptych.bench.idle_cpu import cpu_seconds
 from triptych.bench.loadgen import RunConfig, run_bench
 from triptych.bench.report import fmt, progress
 from triptych.bench.stats import SLO
@@ -97,33 +99,67 @@ def error_pct(sim: float | None, real: float | None) -> float | None:
     return 100.0 * (sim - real) / real
 
 
-async def lone_request(url: str, trace: list[TraceRequest], repeats: int = 5) -> tuple[float, float, int]:
+async def lone_request(url: str, trace: list[TraceRequest], pids: list[int],
+                       repeats: int = 5) -> tuple[float, float, float, int]:
     """Median TTFT and TPOT of a lone request shaped like the trace's first (after one
-    warm-up), and the template tokens the served model adds to a prompt."""
+    warm-up), the CPU seconds the instances spent per such request, and the template
+    tokens the served model adds to a prompt."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
         model, ends = await discover(client, url, [], {})
         scale = await calibrate(client, url, model, {})
         bodies = trace_bodies([trace[0]] * (repeats + 1), model, seed=99, scale=scale)
         ttfts, tpots = [], []
-        for body in bodies:
+        cpu0 = 0.0
+        for i, body in enumerate(bodies):
+            if i == 1:  # after the warm-up
+                cpu0 = sum(cpu_seconds(p) for p in pids)
             r = await send_request(client, f"{url}/v1/chat/completions", body, 120.0)
             if not r.ok or r.ttft is None:
                 raise BenchError(f"lone request failed: {r.error}")
             ttfts.append(r.ttft)
             tpots.append(r.tpot or 0.0)
-    return statistics.median(ttfts[1:]), statistics.median(tpots[1:]), scale.template_tokens
+        cpu = (sum(cpu_seconds(p) for p in pids) - cpu0) / repeats
+    return statistics.median(ttfts[1:]), statistics.median(tpots[1:]), cpu, scale.template_tokens
+
+
+@dataclass
+class Fitted:
+    profile: StepProfile
+    cfg: SimConfig
+
+    def describe(self) -> str:
+        return (f"step overhead {self.profile.step_overhead_s * 1e3:.2f} ms, request work "
+                f"{self.cfg.request_work_s * 1e3:.2f} ms per instance, TTFT overhead "
+                f"{self.cfg.ttft_overhead_s * 1e3:.1f} ms")
 
 
 def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone: list[TraceRequest],
-                  cfg: SimConfig, ttft: float, tpot: float) -> tuple[StepProfile, float]:
-    """The fixed costs the profile does not see, from a lone request (no queueing): a step
-    overhead so the simulated TPOT matches (the worker's driver loop, output processing and
-    streaming per token), then a TTFT overhead for the HTTP hops."""
+                  cfg: SimConfig, ttft: float, tpot: float, cpu_s: float | None = None,
+                  instance_cpus: float | None = None) -> Fitted:
+    """The fixed costs the profile does not see, from a lone request (no queueing):
+
+    1. a step overhead so the simulated TPOT matches (the worker's driver loop, output
+       processing and streaming, per token);
+    2. with the instances' CPU seconds per lone request (`cpu_s`): what the steps do not
+       account for, per instance the request visits, is request work that keeps the
+       instance busy (its stage run's HTTP, image decode, transfers); at a quota of X < 1
+       CPU it takes 1/X as long in wall time under load;
+    3. a TTFT overhead for what is left of the lone request's TTFT: the router and the
+       hops' latency, which use no instance's capacity."""
+    from triptych.operator.planner.simulator import Simulation
+
     base = simulate(topology, profile, lone, cfg)
     step = max(0.0, tpot - (base.tpot_p50_s or 0.0))
     fitted = profile.model_copy(update={"step_overhead_s": profile.step_overhead_s + step})
+    if cpu_s is not None:
+        sim = Simulation(topology, fitted, cfg)
+        sim.run(lone)
+        busy = sum(i.busy_time for i in sim.instances)
+        visits = sum(1 for i in sim.instances if i.busy_time > 0)  # the instances the request ran on
+        slow = 1.0 / min(1.0, instance_cpus) if instance_cpus else 1.0
+        cfg = cfg.model_copy(update={"request_work_s": max(0.0, cpu_s - busy) / max(1, visits) * slow})
     again = simulate(topology, fitted, lone, cfg)
-    return fitted, max(0.0, ttft - (again.ttft_p50_s or 0.0))
+    return Fitted(fitted, cfg.model_copy(update={"ttft_overhead_s": max(0.0, ttft - (again.ttft_p50_s or 0.0))}))
 
 
 def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, profile: StepProfile,
@@ -138,26 +174,27 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
     with dep:
         if args.instance_cpus and dep.quota is None:
             progress(f"warning: {spec} runs WITHOUT CPU quotas ({dep.quota_error})")
-        lone_ttft, lone_tpot, template = asyncio.run(lone_request(dep.router_url, trace))
+        pids = [w.popen.pid for w in dep.workers]
+        lone_ttft, lone_tpot, lone_cpu, template = asyncio.run(lone_request(dep.router_url, trace, pids))
         sim_trace = with_template(trace, template)
-        overhead = 0.0
+        fit = Fitted(profile, sim_cfg)
         if args.fit_overheads:
-            profile, overhead = fit_overheads(topology, profile, sim_trace[:1], sim_cfg, lone_ttft, lone_tpot)
-        progress(f"== {spec}: lone TTFT {lone_ttft * 1e3:.1f} ms, TPOT {lone_tpot * 1e3:.2f} ms, template "
-                 f"{template} tokens; fitted step overhead {profile.step_overhead_s * 1e3:.2f} ms, "
-                 f"TTFT overhead {overhead * 1e3:.1f} ms")
+            fit = fit_overheads(topology, profile, sim_trace[:1], sim_cfg, lone_ttft, lone_tpot,
+                                lone_cpu if args.fit_request_work else None, args.instance_cpus)
+        progress(f"== {spec}: lone TTFT {lone_ttft * 1e3:.1f} ms, TPOT {lone_tpot * 1e3:.2f} ms, instance CPU "
+                 f"{lone_cpu * 1e3:.1f} ms, template {template} tokens; fitted {fit.describe()}")
         cfg = RunConfig(work=Workload(), slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), rates=list(args.rates),
                         seed=args.seed, timeout_s=args.request_timeout, warmup=0, trace=trace)
         load_before = os.getloadavg()[0]
         measured = asyncio.run(run_bench(dep.router_url, cfg, [w.url for w in dep.workers]))
         load_after = os.getloadavg()[0]
     for rate, real in zip(args.rates, measured["rates"], strict=True):
-        sim = simulate(topology, profile, timed(sim_trace, rate), sim_cfg.model_copy(
-            update={"ttft_overhead_s": overhead}))
+        sim = simulate(topology, fit.profile, timed(sim_trace, rate), fit.cfg)
         row: dict[str, Any] = {"topology": spec, "rate": rate, "completed": real["completed"],
-                               "num_requests": real["num_requests"], "ttft_overhead_s": overhead,
-                               "step_overhead_s": profile.step_overhead_s, "lone_ttft_s": lone_ttft,
-                               "lone_tpot_s": lone_tpot,
+                               "num_requests": real["num_requests"], "ttft_overhead_s": fit.cfg.ttft_overhead_s,
+                               "request_work_s": fit.cfg.request_work_s,
+                               "step_overhead_s": fit.profile.step_overhead_s, "lone_ttft_s": lone_ttft,
+                               "lone_tpot_s": lone_tpot, "lone_instance_cpu_s": lone_cpu,
                                "load_avg_1m": round(max(load_before, load_after), 2)}
         for m in METRICS:
             row[f"measured_{m}"], row[f"simulated_{m}"] = real.get(m), getattr(sim, m)
