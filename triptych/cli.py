@@ -148,6 +148,8 @@ def _add_bench_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
                    help="weight of each capped instance per CPU of quota (see bench neighbours)")
     a.add_argument("--rate", type=float, default=2.0, help="requests/s in both phases")
     a.add_argument("--phase-seconds", type=float, default=40.0, help="length of each phase")
+    a.add_argument("--after-seconds", type=float, default=None,
+                   help="length of the phase after the shift (default: --phase-seconds)")
     a.add_argument("--image-size", type=int, nargs=2, default=[224, 224])
     a.add_argument("--before-images", type=int, default=2)
     a.add_argument("--before-prompt", type=int, default=32, help="text tokens before the shift")

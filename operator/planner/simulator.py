@@ -46,8 +46,9 @@ class SimConfig(BaseModel):
     budget_image_pixels: int = Field(448 * 448, ge=1, description="image size the image budget is searched at")
     token_budget: int | None = Field(None, ge=1, description="fixed budget instead of the SLO-derived one")
     image_budget: int | None = Field(None, ge=1)
-    request_work_s: float = Field(0.0, ge=0, description="busy time an instance spends on each request it "
-                                  "takes on besides its steps (the stage run's HTTP, decoding, transfers)")
+    request_work_s: dict[str, float] = Field(default_factory=dict, description="per instance type: busy time "
+                                             "an instance spends on each request it takes on besides its steps "
+                                             "(the stage run's HTTP, decoding, transfers)")
     ttft_overhead_s: float = Field(0.0, ge=0, description="fixed time each request spends outside the "
                                    "instances before its first token (HTTP hops, SSE): added to TTFT and E2E")
 
@@ -81,7 +82,8 @@ def build_instances(topology: dict[InstanceType, int], profile: StepProfile, cfg
         tokens = cfg.token_budget or profile.token_budget(limit)
         images = cfg.image_budget or profile.image_budget(limit, cfg.budget_image_pixels)
         out += [SimInstance(f"{kind.value}-{i}", kind, profile, token_budget=tokens, image_budget=images,
-                            tbt_slo_s=cfg.tbt_slo_s, request_work_s=cfg.request_work_s) for i in range(n)]
+                            tbt_slo_s=cfg.tbt_slo_s, request_work_s=cfg.request_work_s.get(kind.value, 0.0))
+                for i in range(n)]
     return out
 
 

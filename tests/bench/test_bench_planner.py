@@ -14,7 +14,7 @@ from triptych.bench.sim_validate import error_pct, fit_overheads, format_table, 
 from triptych.cli import build_parser, main
 from triptych.operator.planner.model_shape import read_shape
 from triptych.operator.planner.roofline import roofline_profile
-from triptych.operator.planner.simulator import SimConfig, simulate
+from triptych.operator.planner.simulator import SimConfig, Simulation, simulate
 from triptych.operator.planner.workload import TraceRequest
 from triptych.tiny_model import tiny_model_path
 from triptych.topology import parse_topology
@@ -56,17 +56,22 @@ def test_fitted_overheads_make_the_lone_request_match() -> None:
     assert lone[0].prompt_tokens == 50
     cfg = SimConfig()
     fit = fit_overheads(topo, profile, lone, cfg, ttft=0.08, tpot=0.006)
-    assert fit.cfg.request_work_s == 0
+    assert fit.cfg.request_work_s == {}
     sim = simulate(topo, fit.profile, lone, fit.cfg)
     assert sim.tpot_p50_s == pytest.approx(0.006, rel=1e-6)
     assert sim.ttft_p50_s == pytest.approx(0.08, rel=1e-6)
-    # With the instances' CPU per request: what their steps do not use is request work,
-    # shared over the 3 instances the request ran on, twice as long at half a CPU.
-    busy = simulate(topo, fit.profile, lone, cfg).duration_s  # lone: one step at a time
-    fit = fit_overheads(topo, profile, lone, cfg, ttft=0.08, tpot=0.006, cpu_s=busy + 0.03, instance_cpus=0.5)
-    assert fit.cfg.request_work_s == pytest.approx(0.03 / 3 * 2, rel=0.05)
+    # With each type's CPU per lone request: what its steps do not use is request work,
+    # twice as long at half a CPU; the TPOT and TTFT of the lone request still match.
+    cpu = {"E": 0.01, "P": 0.012, "D": 0.01}
+    fit = fit_overheads(topo, profile, lone, cfg, ttft=0.08, tpot=0.006, cpu_s=cpu, instance_cpus=0.5)
+    steps = Simulation(topo, fit.profile, cfg)
+    steps.run(lone)
+    for inst in steps.instances:
+        want = max(0.0, cpu[inst.kind.value] - inst.busy_time) * 2
+        assert fit.cfg.request_work_s[inst.kind.value] == pytest.approx(want, rel=0.02, abs=1e-6)
+    assert fit.cfg.request_work_s["E"] > 0 and fit.cfg.request_work_s["P"] > 0
     sim = simulate(topo, fit.profile, lone, fit.cfg)
-    assert sim.ttft_p50_s == pytest.approx(0.08, rel=1e-6) and sim.tpot_p50_s == pytest.approx(0.006, rel=1e-6)
+    assert sim.tpot_p50_s == pytest.approx(0.006, rel=0.02) and sim.ttft_p50_s == pytest.approx(0.08, rel=1e-6)
 
 
 def test_tables_print_every_row() -> None:

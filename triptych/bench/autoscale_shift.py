@@ -38,13 +38,14 @@ from triptych.operator.planner.workload import TraceRequest, WorkloadSpec, fixed
 
 def shift_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], int]:
     """The two phases end to end; the number of requests before the shift."""
-    def phase(images: int, prompt: int, output: int, seed: int) -> list[TraceRequest]:
-        n = max(2, round(args.rate * args.phase_seconds))
+    def phase(images: int, prompt: int, output: int, seed: int, seconds: float) -> list[TraceRequest]:
+        n = max(2, round(args.rate * seconds))
         return generate(WorkloadSpec(rate=args.rate, num_requests=n, images_per_request=fixed(images),
                                      image_size=tuple(args.image_size), prompt_tokens=fixed(prompt),
                                      output_tokens=fixed(output), seed=seed))
-    before = phase(args.before_images, args.before_prompt, args.before_output, args.seed)
-    after = phase(args.after_images, args.after_prompt, args.after_output, args.seed + 1)
+    before = phase(args.before_images, args.before_prompt, args.before_output, args.seed, args.phase_seconds)
+    after = phase(args.after_images, args.after_prompt, args.after_output, args.seed + 1,
+                  args.after_seconds or args.phase_seconds)
     t0 = before[-1].t
     return before + [r.model_copy(update={"t": r.t + t0}) for r in after], len(before)
 

@@ -99,26 +99,26 @@ def error_pct(sim: float | None, real: float | None) -> float | None:
     return 100.0 * (sim - real) / real
 
 
-async def lone_request(url: str, trace: list[TraceRequest], pids: list[int],
-                       repeats: int = 5) -> tuple[float, float, float, int]:
+async def lone_request(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
+                       repeats: int = 5) -> tuple[float, float, dict[str, float], int]:
     """Median TTFT and TPOT of a lone request shaped like the trace's first (after one
-    warm-up), the CPU seconds the instances spent per such request, and the template
-    tokens the served model adds to a prompt."""
+    warm-up), the CPU seconds the instances of each type (`pids` by type) spent per such
+    request, and the template tokens the served model adds to a prompt."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
         model, ends = await discover(client, url, [], {})
         scale = await calibrate(client, url, model, {})
         bodies = trace_bodies([trace[0]] * (repeats + 1), model, seed=99, scale=scale)
         ttfts, tpots = [], []
-        cpu0 = 0.0
+        cpu0: dict[str, float] = {}
         for i, body in enumerate(bodies):
             if i == 1:  # after the warm-up
-                cpu0 = sum(cpu_seconds(p) for p in pids)
+                cpu0 = {name: sum(cpu_seconds(p) for p in ps) for name, ps in pids.items()}
             r = await send_request(client, f"{url}/v1/chat/completions", body, 120.0)
             if not r.ok or r.ttft is None:
                 raise BenchError(f"lone request failed: {r.error}")
             ttfts.append(r.ttft)
             tpots.append(r.tpot or 0.0)
-        cpu = (sum(cpu_seconds(p) for p in pids) - cpu0) / repeats
+        cpu = {name: (sum(cpu_seconds(p) for p in ps) - cpu0[name]) / repeats for name, ps in pids.items()}
     return statistics.median(ttfts[1:]), statistics.median(tpots[1:]), cpu, scale.template_tokens
 
 
@@ -129,35 +129,41 @@ class Fitted:
 
     def describe(self) -> str:
         return (f"step overhead {self.profile.step_overhead_s * 1e3:.2f} ms, request work "
-                f"{self.cfg.request_work_s * 1e3:.2f} ms per instance, TTFT overhead "
+                + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.cfg.request_work_s.items())
+                + f" ms per request, TTFT overhead "
                 f"{self.cfg.ttft_overhead_s * 1e3:.1f} ms")
 
 
 def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone: list[TraceRequest],
-                  cfg: SimConfig, ttft: float, tpot: float, cpu_s: float | None = None,
+                  cfg: SimConfig, ttft: float, tpot: float, cpu_s: dict[str, float] | None = None,
                   instance_cpus: float | None = None) -> Fitted:
     """The fixed costs the profile does not see, from a lone request (no queueing):
 
     1. a step overhead so the simulated TPOT matches (the worker's driver loop, output
        processing and streaming, per token);
-    2. with the instances' CPU seconds per lone request (`cpu_s`): what the steps do not
-       account for, per instance the request visits, is request work that keeps the
-       instance busy (its stage run's HTTP, image decode, transfers); at a quota of X < 1
-       CPU it takes 1/X as long in wall time under load;
+    2. with the CPU seconds per lone request of each instance type (`cpu_s`): what its
+       steps do not account for is request work that keeps the instance busy (its stage
+       run's HTTP, image decode, transfers); at a quota of X < 1 CPU it takes 1/X as long
+       in wall time under load;
     3. a TTFT overhead for what is left of the lone request's TTFT: the router and the
        hops' latency, which use no instance's capacity."""
     from triptych.operator.planner.simulator import Simulation
 
-    base = simulate(topology, profile, lone, cfg)
-    step = max(0.0, tpot - (base.tpot_p50_s or 0.0))
-    fitted = profile.model_copy(update={"step_overhead_s": profile.step_overhead_s + step})
-    if cpu_s is not None:
-        sim = Simulation(topology, fitted, cfg)
+    fitted = profile
+    slow = 1.0 / min(1.0, instance_cpus) if instance_cpus else 1.0
+    for _ in range(4):  # the two fits feed each other (request work lengthens a step); a few rounds settle
+        lone_sim = simulate(topology, fitted, lone, cfg)
+        step = max(0.0, fitted.step_overhead_s + tpot - (lone_sim.tpot_p50_s or 0.0))
+        fitted = profile.model_copy(update={"step_overhead_s": step})
+        if cpu_s is None:
+            break
+        sim = Simulation(topology, fitted, cfg.model_copy(update={"request_work_s": {}}))
         sim.run(lone)
-        busy = sum(i.busy_time for i in sim.instances)
-        visits = sum(1 for i in sim.instances if i.busy_time > 0)  # the instances the request ran on
-        slow = 1.0 / min(1.0, instance_cpus) if instance_cpus else 1.0
-        cfg = cfg.model_copy(update={"request_work_s": max(0.0, cpu_s - busy) / max(1, visits) * slow})
+        busy: dict[str, float] = {}
+        for inst in sim.instances:
+            busy[inst.kind.value] = busy.get(inst.kind.value, 0.0) + inst.busy_time
+        cfg = cfg.model_copy(update={"request_work_s": {
+            kind: max(0.0, cpu - busy.get(kind, 0.0)) * slow for kind, cpu in cpu_s.items()}})
     again = simulate(topology, fitted, lone, cfg)
     return Fitted(fitted, cfg.model_copy(update={"ttft_overhead_s": max(0.0, ttft - (again.ttft_p50_s or 0.0))}))
 
@@ -174,15 +180,18 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
     with dep:
         if args.instance_cpus and dep.quota is None:
             progress(f"warning: {spec} runs WITHOUT CPU quotas ({dep.quota_error})")
-        pids = [w.popen.pid for w in dep.workers]
+        pids: dict[str, list[int]] = {}
+        for w in dep.workers:  # worker-<type>-<index>
+            pids.setdefault(w.name.split("-")[1], []).append(w.popen.pid)
         lone_ttft, lone_tpot, lone_cpu, template = asyncio.run(lone_request(dep.router_url, trace, pids))
         sim_trace = with_template(trace, template)
         fit = Fitted(profile, sim_cfg)
         if args.fit_overheads:
             fit = fit_overheads(topology, profile, sim_trace[:1], sim_cfg, lone_ttft, lone_tpot,
                                 lone_cpu if args.fit_request_work else None, args.instance_cpus)
+        cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in lone_cpu.items())
         progress(f"== {spec}: lone TTFT {lone_ttft * 1e3:.1f} ms, TPOT {lone_tpot * 1e3:.2f} ms, instance CPU "
-                 f"{lone_cpu * 1e3:.1f} ms, template {template} tokens; fitted {fit.describe()}")
+                 f"{cpu_text} ms, template {template} tokens; fitted {fit.describe()}")
         cfg = RunConfig(work=Workload(), slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), rates=list(args.rates),
                         seed=args.seed, timeout_s=args.request_timeout, warmup=0, trace=trace)
         load_before = os.getloadavg()[0]
