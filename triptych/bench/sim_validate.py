@@ -15,9 +15,10 @@ workload on this machine (issue 11: TTFT and TPOT p50 / p90, error in %).
 The profile times the engine's steps alone; a served request also pays for HTTP hops
 (client -> router -> instances, SSE back), the worker's driver loop and streaming. With
 `--fit-overheads` (the default) these fixed costs are measured per topology from a lone
-request before the load (one warm-up, five timed; no queueing): a per-step overhead
-(`StepProfile.step_overhead_s`) so the simulated TPOT of that request matches, then a
-per-request TTFT overhead (`SimConfig.ttft_overhead_s`). What the loaded runs then
+request before the load (one warm-up, nine timed; no queueing): a cost per decoding request per step
+(`StepProfile.decode_token_overhead_s`) so the simulated TPOT of that request matches,
+busy time per request per instance type from the instances' CPU
+(`SimConfig.request_work_s`), then a per-request TTFT overhead (`SimConfig.ttft_overhead_s`). What the loaded runs then
 validate is the simulator's batching and queueing. `--no-fit-overheads` compares the
 raw profile.
 """
@@ -100,7 +101,7 @@ def error_pct(sim: float | None, real: float | None) -> float | None:
 
 
 async def lone_request(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
-                       repeats: int = 5) -> tuple[float, float, dict[str, float], int]:
+                       repeats: int = 9) -> tuple[float, float, dict[str, float], int]:
     """Median TTFT and TPOT of a lone request shaped like the trace's first (after one
     warm-up), the CPU seconds the instances of each type (`pids` by type) spent per such
     request, and the template tokens the served model adds to a prompt."""
@@ -128,7 +129,7 @@ class Fitted:
     cfg: SimConfig
 
     def describe(self) -> str:
-        return (f"step overhead {self.profile.step_overhead_s * 1e3:.2f} ms, request work "
+        return (f"token overhead {self.profile.decode_token_overhead_s * 1e3:.2f} ms, request work "
                 + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.cfg.request_work_s.items())
                 + f" ms per request, TTFT overhead "
                 f"{self.cfg.ttft_overhead_s * 1e3:.1f} ms")
@@ -139,8 +140,9 @@ def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone:
                   instance_cpus: float | None = None) -> Fitted:
     """The fixed costs the profile does not see, from a lone request (no queueing):
 
-    1. a step overhead so the simulated TPOT matches (the worker's driver loop, output
-       processing and streaming, per token);
+    1. a cost per decoding request per step so the simulated TPOT matches: handing each
+       token out (output processing, the stage stream, the router's SSE) is work per
+       request, unlike the step's forward, which the batch shares;
     2. with the CPU seconds per lone request of each instance type (`cpu_s`): what its
        steps do not account for is request work that keeps the instance busy (its stage
        run's HTTP, image decode, transfers); at a quota of X < 1 CPU it takes 1/X as long
@@ -153,8 +155,8 @@ def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone:
     slow = 1.0 / min(1.0, instance_cpus) if instance_cpus else 1.0
     for _ in range(4):  # the two fits feed each other (request work lengthens a step); a few rounds settle
         lone_sim = simulate(topology, fitted, lone, cfg)
-        step = max(0.0, fitted.step_overhead_s + tpot - (lone_sim.tpot_p50_s or 0.0))
-        fitted = profile.model_copy(update={"step_overhead_s": step})
+        per_token = max(0.0, fitted.decode_token_overhead_s + tpot - (lone_sim.tpot_p50_s or 0.0))
+        fitted = profile.model_copy(update={"decode_token_overhead_s": per_token})
         if cpu_s is None:
             break
         sim = Simulation(topology, fitted, cfg.model_copy(update={"request_work_s": {}}))
@@ -202,7 +204,8 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
         row: dict[str, Any] = {"topology": spec, "rate": rate, "completed": real["completed"],
                                "num_requests": real["num_requests"], "ttft_overhead_s": fit.cfg.ttft_overhead_s,
                                "request_work_s": fit.cfg.request_work_s,
-                               "step_overhead_s": fit.profile.step_overhead_s, "lone_ttft_s": lone_ttft,
+                               "decode_token_overhead_s": fit.profile.decode_token_overhead_s,
+                               "lone_ttft_s": lone_ttft,
                                "lone_tpot_s": lone_tpot, "lone_instance_cpu_s": lone_cpu,
                                "load_avg_1m": round(max(load_before, load_after), 2)}
         for m in METRICS:

@@ -70,6 +70,13 @@ def test_request_work_is_charged_once_per_instance_and_ttft_overhead_is_latency(
     assert report.e2e_p50_s == pytest.approx(r.finish + 0.05)
 
 
+def test_decode_token_overhead_is_paid_per_decoding_request() -> None:
+    prof = linear_profile().model_copy(update={"decode_token_overhead_s": 0.002})
+    assert prof.step_s(decodes=1) == pytest.approx(0.01 + 0.002)
+    assert prof.step_s(decodes=8) == pytest.approx(0.01 + 8 * 0.002)  # the forward is shared, not this
+    assert prof.step_s(prefill_tokens=10) == pytest.approx(0.01)
+
+
 def test_aggregated_instance_moves_nothing() -> None:
     prof = linear_profile(bytes_per_s=1.0)  # any transfer would take ages
     sim = Simulation({T.EPD: 1}, prof, SimConfig(ttft_slo_s=10, tbt_slo_s=1))
