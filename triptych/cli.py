@@ -78,6 +78,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--image-size", type=int, nargs=2, default=[64, 64])
     s.add_argument("--prompt-len", type=int, default=32)
     s.add_argument("--output-len", type=int, default=16)
+    s.add_argument("--trace", default=None, metavar="FILE",
+                   help="replay this JSON-lines trace ({t, images, prompt_tokens, output_tokens} a line) "
+                        "instead of the synthetic Poisson workload")
+    s.add_argument("--trace-rates", type=float, nargs="+", default=None,
+                   help="with --trace: re-time the trace to these mean rates (default: its own times)")
     s.add_argument("--ttft-slo", type=float, default=2.0)
     s.add_argument("--tbt-slo", type=float, default=0.2)
     s.add_argument("--plot", default=None, help="write attainment-vs-rate PNG here")
@@ -128,6 +133,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_lazy("triptych.bench.idle_cpu:cli_main"))
+    _add_bench_simulate_validate(bsub)
+    _add_bench_autoscale_shift(bsub)
     _add_bench_video(bsub)
     _add_bench_switch(bsub)
 
@@ -147,6 +154,72 @@ def _add_bench_switch(bsub: argparse._SubParsersAction) -> None:
     w.add_argument("--request-timeout", type=float, default=180.0)
     w.add_argument("--json", action="store_true")
     w.set_defaults(func=_lazy("triptych.bench.switch:cli_main"))
+
+
+def _add_bench_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
+    a = bsub.add_parser("autoscale-shift",
+                        help="serve --autoscale vs static under a workload shift (SLO attainment, lost requests)")
+    a.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    a.add_argument("--topology", default="2E1P1D")
+    a.add_argument("--instance-cpus", type=_cpus, default=0.5, metavar="X", help="CPU quota of every instance")
+    a.add_argument("--priority", type=_cpus, default=1.0, metavar="K",
+                   help="weight of each capped instance per CPU of quota (see bench neighbours)")
+    a.add_argument("--rate", type=float, default=2.0, help="requests/s in both phases")
+    a.add_argument("--phase-seconds", type=float, default=40.0, help="length of each phase")
+    a.add_argument("--after-seconds", type=float, default=None,
+                   help="length of the phase after the shift (default: --phase-seconds)")
+    a.add_argument("--image-size", type=int, nargs=2, default=[224, 224])
+    a.add_argument("--before-images", type=int, default=2)
+    a.add_argument("--before-prompt", type=int, default=32, help="text tokens before the shift")
+    a.add_argument("--before-output", type=int, default=16)
+    a.add_argument("--after-images", type=int, default=0)
+    a.add_argument("--after-prompt", type=int, default=800, help="text tokens after the shift")
+    a.add_argument("--after-output", type=int, default=16)
+    a.add_argument("--ttft-slo", type=float, default=1.0)
+    a.add_argument("--tbt-slo", type=float, default=0.2)
+    a.add_argument("--interval", type=float, default=2.0, help="planner: seconds between decisions")
+    a.add_argument("--sustain", type=int, default=2, help="planner: snapshots a trigger must hold")
+    a.add_argument("--role-switch-cooldown", type=float, default=15.0)
+    a.add_argument("--max-queue-per-instance", type=float, default=4.0)
+    a.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
+    a.add_argument("--request-timeout", type=float, default=120.0)
+    a.add_argument("--log-dir", default=None)
+    a.add_argument("--seed", type=int, default=0)
+    a.add_argument("--json", action="store_true")
+    a.add_argument("--out-json", default=None, help="also write the JSON report here")
+    a.set_defaults(func=_lazy("triptych.bench.autoscale_shift:cli_main"))
+
+
+def _add_bench_simulate_validate(bsub: argparse._SubParsersAction) -> None:
+    v = bsub.add_parser("simulate-validate",
+                        help="the planner's simulator vs measured local runs of the same trace (TTFT/TPOT error)")
+    v.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
+    v.add_argument("--topologies", default="EPD,1EP1D,1E1P1D")
+    v.add_argument("--rates", type=float, nargs="+", default=[1.0, 3.0])
+    v.add_argument("--num-requests", type=int, default=16)
+    v.add_argument("--images-per-request", type=int, default=1)
+    v.add_argument("--image-size", type=int, nargs=2, default=[224, 224])
+    v.add_argument("--prompt-tokens", type=int, default=32, help="text tokens per request")
+    v.add_argument("--output-tokens", type=int, default=16)
+    v.add_argument("--instance-cpus", type=_cpus, default=0.5, metavar="X", help="CPU quota of every instance")
+    v.add_argument("--priority", type=_cpus, default=1.0, metavar="K",
+                   help="weight of each capped instance per CPU of quota (see bench neighbours)")
+    v.add_argument("--profile", default=None, help="a profile JSON (default: measure one at the quota)")
+    v.add_argument("--save-profile", default=None, help="where the measured profile goes")
+    v.add_argument("--fit-overheads", action=argparse.BooleanOptionalAction, default=True,
+                   help="fit the fixed per-step and per-request costs from a lone request per topology")
+    v.add_argument("--fit-request-work", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --fit-overheads: charge the instances' CPU per request, beyond their steps, "
+                        "as busy time (else all of it is latency)")
+    v.add_argument("--ttft-slo", type=float, default=2.0)
+    v.add_argument("--tbt-slo", type=float, default=0.2)
+    v.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
+    v.add_argument("--request-timeout", type=float, default=120.0)
+    v.add_argument("--log-dir", default=None)
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--json", action="store_true")
+    v.add_argument("--out-json", default=None, help="also write the JSON report here")
+    v.set_defaults(func=_lazy("triptych.bench.sim_validate:cli_main"))
 
 
 def _add_bench_video(bsub: argparse._SubParsersAction) -> None:
@@ -389,6 +462,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--migration-bytes-per-s", type=float, default=None,
                    help="measured transfer bandwidth (default: an in-memory copy here)")
+    p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024], help="prefill sizes")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="decode batch sizes")
+    p.add_argument("--contexts", type=int, nargs="+", default=[32, 256, 1024], help="decode context lengths")
     p.set_defaults(func=_lazy("triptych.worker.step_profile:cli_main"))
 
 

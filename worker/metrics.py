@@ -22,6 +22,15 @@ STAGE_SECONDS: Histogram = registry_metric(
     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 
+# The planner's per-stage queue signals (operator/planner/signals.py), one series per stage
+# the instance's role runs.
+QUEUED_HELP = {
+    "requests": "Requests queued on this instance, by the next stage they need here",
+    "tokens": "Prompt tokens still to prefill on this instance (prefill only)",
+    "images": "Images still to encode on this instance (encode only)",
+}
+
+
 class InstanceCollector(Collector):
     """Queue depths, cache occupancy and outstanding leases, read at scrape time."""
 
@@ -44,7 +53,13 @@ class InstanceCollector(Collector):
                                    "prefix cache (not computed)", labels=labels)
         queries = CounterMetricFamily("triptych_worker_prefix_cache_queries", "Prompt tokens looked up "
                                       "in the prefix cache", labels=labels)
+        per_stage = {field: GaugeMetricFamily(f"triptych_worker_queued_{field}", help_text, labels=[*labels, "stage"])
+                     for field, help_text in QUEUED_HELP.items()}
         if inst.engine is not None:
+            queued = inst.engine.queued_work()
+            for stage in sorted(inst.engine.role.stages, key=list(Stage).index):
+                for field, family in per_stage.items():
+                    family.add_metric([*values, stage.value], getattr(queued[stage], field))
             stats = inst.engine.stats()
             hits.add_metric(values, stats["counters"]["prefix_cache_hits"])
             queries.add_metric(values, stats["counters"]["prefix_cache_queries"])
@@ -59,6 +74,7 @@ class InstanceCollector(Collector):
         yield leases
         yield hits
         yield queries
+        yield from per_stage.values()
 
 
 def stage_breakdown(stages: set[Stage], t: dict[str, float]) -> dict[tuple[str, str], float]:

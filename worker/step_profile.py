@@ -112,7 +112,10 @@ def cli_main(args: argparse.Namespace) -> int:
 
         model = str(tiny_model_path("qwen2-vl"))
     prof = profile_engine(model, device=args.device, dtype=args.dtype, threads=args.threads,
-                          migration_bytes_per_s=args.migration_bytes_per_s)
+                          migration_bytes_per_s=args.migration_bytes_per_s,
+                          tokens=getattr(args, "tokens", None) or (16, 64, 256, 1024),
+                          batches=getattr(args, "batches", None) or (1, 4, 16),
+                          contexts=getattr(args, "contexts", None) or (32, 256, 1024))
     prof.save(args.out)
     print(json.dumps({"out": args.out, "source": prof.source, "prefill_points": len(prof.prefill),
                       "decode_rows": len(prof.decode), "encode_rows": len(prof.encode),

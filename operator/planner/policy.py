@@ -128,7 +128,7 @@ def decide(snap: Snapshot, counts: dict[InstanceType, int], history: History, cf
     counts = {k: v for k, v in counts.items() if v > 0}
     fills = _type_fills(snap, counts, cfg)
     triggers = _triggers(snap, counts, fills, history, cfg)
-    direction = _direction(fills) if triggers["diverged"] else None
+    direction = _direction(fills, counts, cfg) if triggers["diverged"] else None
     base = {"at": now, "dry_run": cfg.dry_run, "triggers": triggers, "direction": direction}
     reasons = []
     for rule in (_reactive, _encoder, _replan):
@@ -154,12 +154,26 @@ def _type_fills(snap: Snapshot, counts: dict[InstanceType, int], cfg: PolicyConf
     return fills
 
 
-def _direction(fills: dict[InstanceType, float]) -> str | None:
+def _direction(fills: dict[InstanceType, float], counts: dict[InstanceType, int] | None = None,
+               cfg: PolicyConfig | None = None) -> str | None:
+    """Least -> most loaded type. The source is the least loaded type that can give an
+    instance (above its minimum, and not the last to run one of its stages): with E and D
+    both idle in a 2E1P1D, the move is E -> P, not a D -> P the bounds would refuse forever."""
     if len(fills) < 2:
         return None
-    src = min(fills, key=lambda k: (fills[k], k.value))
     dst = max(fills, key=lambda k: (fills[k], k.value))
+    givers = [k for k in fills if k != dst and (counts is None or cfg is None or _can_give(counts, k, dst, cfg))]
+    src = min(givers or [k for k in fills if k != dst], key=lambda k: (fills[k], k.value))
     return f"{src.value}->{dst.value}"
+
+
+def _can_give(counts: dict[InstanceType, int], src: InstanceType, dst: InstanceType, cfg: PolicyConfig) -> bool:
+    if counts.get(src, 0) - 1 < cfg.bounds(src)[0]:
+        return False
+    after = dict(counts)
+    after[src] -= 1
+    after[dst] = after.get(dst, 0) + 1
+    return all(any(k.runs(s) for k, n in after.items() if n > 0) for s in src.stages)
 
 
 def _triggers(snap: Snapshot, counts: dict[InstanceType, int], fills: dict[InstanceType, float],
@@ -233,7 +247,7 @@ def _reactive(snap, counts, fills, triggers, history, cfg, proposal):  # type: i
                       "(short of capacity, not misbalanced)")
     if not triggers["diverged"]:
         return None, "reactive: stage queues do not diverge"
-    direction = _direction(fills)
+    direction = _direction(fills, counts, cfg)
     held = 1
     for d in reversed(history.decisions[-(cfg.sustain - 1):] if cfg.sustain > 1 else []):
         if d.direction != direction:

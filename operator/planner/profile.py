@@ -66,6 +66,8 @@ class StepProfile(BaseModel):
     decode: list[DecodeRow] = Field(min_length=1)
     migration: Migration
     step_overhead_s: float = Field(0.0, ge=0, description="fixed cost of any step (scheduling, launch)")
+    decode_token_overhead_s: float = Field(0.0, ge=0, description="cost per decoding request per step beyond "
+                                           "the forward (handing its token out: output processing, streaming)")
     kv_capacity_tokens: int = Field(ge=1, description="KV cache tokens one instance holds")
     max_num_seqs: int = Field(256, ge=1)
 
@@ -109,6 +111,7 @@ class StepProfile(BaseModel):
                decodes: int = 0, context: float = 0.0) -> float:
         """One scheduler step: encode the images, then one language forward."""
         t = self.step_overhead_s + self.encode_s(images, pixels)
+        t += decodes * self.decode_token_overhead_s
         if prefill_tokens and decodes:
             base = self._decode_curves[0][0]
             attn = max(0.0, self.decode_s(decodes, context) - self.decode_s(decodes, base))

@@ -8,8 +8,9 @@ router/orchestrator.py, worker/server.py):
 - queued work per stage: `triptych_worker_requests{instance,role,state="waiting"}` split
   evenly over the stages of the instance's role, and `triptych_frontend_instance_load
   {instance,role}` (queued tokens + images each worker reports): tokens for roles that
-  prefill, images for E. When workers export per-stage queues
-  (`triptych_worker_queued_requests|tokens|images{stage}`, proposed), those win;
+  prefill, images for E — the fallback for workers that predate the per-stage queues
+  `triptych_worker_queued_requests|tokens|images{instance,role,stage}` (worker/metrics.py),
+  which win when present;
 - TTFT / TBT p90: the router's histograms; attainment: `triptych_frontend_slo_requests_total
   {result}` (the window gauge when no rate can be taken);
 - arrival rate and request shape: finished requests (`..._e2e_request_latency_seconds_count`),
@@ -234,8 +235,11 @@ def snapshot_from_scrapes(prev: dict[Sample, float] | None, cur: dict[Sample, fl
     per_stage = {}
     for field in ("requests", "tokens", "images"):
         rows = _rows(cur, f"{W}_queued_{field}")
-        if rows:
-            per_stage[field] = {d.get("stage", ""): v for d, v in rows}
+        if rows:  # one row per instance and stage: summed per stage, as `sum by (stage)`
+            by_stage: dict[str, float] = defaultdict(float)
+            for d, v in rows:
+                by_stage[d.get("stage", "")] += v
+            per_stage[field] = dict(by_stage)
     queues, instances = _queues(by_role(f"{W}_requests", state="waiting"), by_role(f"{F}_instance_load"),
                                 by_role(f"{F}_instance_ready"), per_stage)
     snap = Snapshot(at=time.time() if now is None else now, source="scrape", queues=queues, instances=instances)

@@ -54,6 +54,7 @@ class SimRequest:
     kv_reserved: int = 0
     first_step_slow: int = 0
     missed: bool = False
+    visited: set[int] = field(default_factory=set)  # ids of instances that started work on it
 
     @property
     def prompt_tokens(self) -> int:
@@ -72,8 +73,9 @@ class Batch:
 
 class SimInstance:
     def __init__(self, name: str, kind: InstanceType, profile: StepProfile, *, token_budget: int,
-                 image_budget: int, tbt_slo_s: float) -> None:
+                 image_budget: int, tbt_slo_s: float, request_work_s: float = 0.0) -> None:
         self.name, self.kind, self.profile = name, kind, profile
+        self.request_work_s = request_work_s  # busy time per request taken on (its stage run's HTTP, I/O)
         self.token_budget, self.image_budget = token_budget, image_budget
         self.tbt_slo_s = tbt_slo_s
         self.encode_queue: deque[tuple[SimRequest, int]] = deque()
@@ -131,9 +133,22 @@ class SimInstance:
         pixels = sum(r.image_pixels[i] for r, i in b.encodes) / len(b.encodes) if b.encodes else 0.0
         b.duration = p.step_s(images=len(b.encodes), pixels=pixels,
                               prefill_tokens=sum(n for _, n in b.chunks), decodes=b.decodes, context=b.context)
-        if not b.chunks and not b.encodes:
+        taken_on = self._take_on(b) if self.request_work_s else 0
+        if taken_on:  # a step of its own: a macro step would repeat the work in every step
+            b.duration += self.request_work_s * taken_on
+        elif not b.chunks and not b.encodes:
             self._macro(b)
         return b
+
+    def _take_on(self, b: Batch) -> int:
+        """Requests this step starts work on here for the first time (their stage run's
+        request handling is charged to it)."""
+        me, new = id(self), 0
+        for req in [*(r for r, _ in b.encodes), *(r for r, _ in b.chunks), *self._new_decodes]:
+            if me not in req.visited:
+                req.visited.add(me)
+                new += 1
+        return new
 
     def _macro(self, b: Batch) -> None:
         """Decode-only steps up to the next finish; `truncate` cuts it short when work arrives."""

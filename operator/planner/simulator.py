@@ -46,6 +46,11 @@ class SimConfig(BaseModel):
     budget_image_pixels: int = Field(448 * 448, ge=1, description="image size the image budget is searched at")
     token_budget: int | None = Field(None, ge=1, description="fixed budget instead of the SLO-derived one")
     image_budget: int | None = Field(None, ge=1)
+    request_work_s: dict[str, float] = Field(default_factory=dict, description="per instance type: busy time "
+                                             "an instance spends on each request it takes on besides its steps "
+                                             "(the stage run's HTTP, decoding, transfers)")
+    ttft_overhead_s: float = Field(0.0, ge=0, description="fixed time each request spends outside the "
+                                   "instances before its first token (HTTP hops, SSE): added to TTFT and E2E")
 
 
 class SimReport(BaseModel):
@@ -77,7 +82,8 @@ def build_instances(topology: dict[InstanceType, int], profile: StepProfile, cfg
         tokens = cfg.token_budget or profile.token_budget(limit)
         images = cfg.image_budget or profile.image_budget(limit, cfg.budget_image_pixels)
         out += [SimInstance(f"{kind.value}-{i}", kind, profile, token_budget=tokens, image_budget=images,
-                            tbt_slo_s=cfg.tbt_slo_s) for i in range(n)]
+                            tbt_slo_s=cfg.tbt_slo_s, request_work_s=cfg.request_work_s.get(kind.value, 0.0))
+                for i in range(n)]
     return out
 
 
@@ -191,7 +197,7 @@ class Simulation:
             arrive(now)
 
     def _first_token(self, req: SimRequest, now: float) -> None:
-        if now - req.arrival > self.cfg.ttft_slo_s:
+        if now - req.arrival + self.cfg.ttft_overhead_s > self.cfg.ttft_slo_s:
             req.missed = True
             self.missed += 1
         assert req.prefiller is not None and req.decoder is not None
@@ -248,10 +254,11 @@ class Simulation:
         done = [r for r in self.requests if r.finish is not None]
         n = len(self.requests)
         met = sum(1 for r in done if not r.missed)
-        ttft = sorted(r.first_token - r.arrival for r in done if r.first_token is not None)
+        extra = self.cfg.ttft_overhead_s
+        ttft = sorted(r.first_token - r.arrival + extra for r in done if r.first_token is not None)
         tpot = sorted((r.finish - r.first_token) / (r.output_tokens - 1) for r in done
                       if r.first_token is not None and r.output_tokens > 1)
-        e2e = sorted(r.finish - r.arrival for r in done)
+        e2e = sorted(r.finish - r.arrival + extra for r in done)
         util: dict[str, list[float]] = {}
         for inst in self.instances:
             util.setdefault(inst.kind.value, []).append(inst.busy_time / end if end > 0 else 0.0)

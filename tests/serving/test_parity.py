@@ -59,6 +59,9 @@ def test_greedy_parity_over_http(family: str, topology: str, tmp_path: Path) -> 
         for stage in ("encode", "prefill", "decode"):
             if stage[0].upper() in s["role"]:
                 assert f'phase="exec",role="{s["role"]}",stage="{stage}"' in text, (name, stage)
+                for field in ("requests", "tokens", "images"):  # all served: every queue empty
+                    assert f'triptych_worker_queued_{field}{{instance="{s["instance_id"]}",role="{s["role"]}",' \
+                           f'stage="{stage}"}} 0.0' in text, (name, stage, field)
         if s["role"] == "D":
             assert 'triptych_worker_migration_seconds_count{kind="pd",transport="nixl-ucx"}' in text
         if s["role"] == "P":

@@ -230,3 +230,36 @@ def test_mm_cache_rows_round_trip_over_scattered_blocks_and_lru_eviction() -> No
     mm.release(e)
     c = mm.allocate("c", 1)  # evicts a (least recently used, unreferenced)
     assert mm.get("a") is None and mm.get("c") is c and f.refcount == 1
+
+
+def test_queued_work_per_stage_follows_requests_through_their_stages() -> None:
+    s = _sched(tokens=6, images=1, seqs=8)
+    img = _req("img", 20, [Item(2, 4, "q1"), Item(8, 4, "q2")])  # 2 images, 20 prompt tokens
+    txt = _req("txt", 9)
+    s.add(img)
+    s.add(txt)
+    arriving = _req("new", 5, [Item(0, 4, "q3")])
+    q = s.queued_work([arriving])
+    assert (q[Stage.ENCODE].requests, q[Stage.PREFILL].requests, q[Stage.DECODE].requests) == (2, 1, 0)
+    assert q[Stage.ENCODE].images == 3 and q[Stage.PREFILL].tokens == 20 + 9 + 5
+    _advance(s, s.schedule())  # step 1: img's first image encodes, its 2 text tokens + txt's first 4 prefill
+    q = s.queued_work()
+    assert q[Stage.ENCODE].images == 1  # q2 still to encode; q1 encoded
+    assert q[Stage.ENCODE].requests == q[Stage.PREFILL].requests == 0  # both admitted
+    assert q[Stage.PREFILL].tokens == (20 - 2) + (9 - 4)
+    for _ in range(10):
+        _advance(s, s.schedule())
+    q = s.queued_work()
+    assert img.prefill_done and txt.prefill_done
+    assert q[Stage.ENCODE].images == q[Stage.PREFILL].tokens == 0
+
+
+def test_queued_work_counts_only_the_stages_an_instance_runs() -> None:
+    e_only = Scheduler(SchedulerConfig(100, 4, 8), None, _mm())
+    e_only.add(_req("e", 10, [Item(2, 4, "z")], stages=frozenset({Stage.ENCODE})))
+    q = e_only.queued_work()
+    assert (q[Stage.ENCODE].requests, q[Stage.ENCODE].images, q[Stage.PREFILL].tokens) == (1, 1, 0)
+    p_only = _sched()  # P of E+P: the embeddings come from elsewhere
+    p_only.add(_req("p", 10, [Item(2, 4, "y")], stages=frozenset({Stage.PREFILL})))
+    q = p_only.queued_work()
+    assert (q[Stage.ENCODE].images, q[Stage.PREFILL].requests, q[Stage.PREFILL].tokens) == (0, 1, 10)

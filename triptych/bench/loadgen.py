@@ -18,14 +18,17 @@ from triptych.bench.errors import BenchError
 from triptych.bench.prom_text import Sample, metric_deltas, migration_figures
 from triptych.bench.report import progress, rate_line
 from triptych.bench.stats import SLO, RequestResult, goodput, next_sweep_rate, summarize
+from triptych.bench.trace import calibrate, timed, trace_bodies
 from triptych.bench.workload import Workload, build_bodies, poisson_arrivals
+from triptych.operator.planner.workload import TraceRequest
 
 
 async def run_rate(client: httpx.AsyncClient, ends: Endpoints, bodies: Sequence[bytes], rate: float,
-                   seed: int, slo: SLO, timeout_s: float) -> tuple[dict[str, Any], list[Sample], list[Sample]]:
-    """Send `bodies` at Poisson arrivals of `rate`/s; summary plus the metric scrapes
-    taken before and after."""
-    arrivals = poisson_arrivals(rate, len(bodies), seed)
+                   seed: int, slo: SLO, timeout_s: float, arrivals: Sequence[float] | None = None,
+                   ) -> tuple[dict[str, Any], list[Sample], list[Sample]]:
+    """Send `bodies` at Poisson arrivals of `rate`/s (or at `arrivals`, s from the start:
+    a trace's); summary plus the metric scrapes taken before and after."""
+    arrivals = poisson_arrivals(rate, len(bodies), seed) if arrivals is None else arrivals
     before = await scrape(client, ends.all)
     url = f"{ends.router}/v1/chat/completions"
     t0 = time.perf_counter()
@@ -53,6 +56,7 @@ class RunConfig:
     seed: int = 0
     timeout_s: float = 120.0
     warmup: int = 1  # requests sent one by one first, not counted (connections, first transfers)
+    trace: list[TraceRequest] | None = None  # replay this (re-timed to each rate) instead of Poisson
 
     def check(self) -> None:
         self.work.check()
@@ -97,6 +101,10 @@ async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
             progress("warning: no worker URLs (router /health lists none; pass --worker-urls): "
                  "migration figures will be empty")
         await _warm_up(client, ends, cfg, model)
+        scale = await calibrate(client, url, model, ends.headers) if cfg.trace else None
+        if scale is not None:
+            progress(f"trace: {len(cfg.trace or [])} requests; prompts at {scale.tokens_per_word:.2f} tokens "
+                     f"per word (+{scale.template_tokens} template tokens)")
         plan = cfg.rate_plan()
         reports: list[dict[str, Any]] = []
         all_results: list[RequestResult] = []
@@ -104,10 +112,17 @@ async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
         last_after: list[Sample] = []
         while (rate := plan([(r["rate"], r["slo_attainment"]) for r in reports])) is not None:
             # Fresh images per round: a repeated image would hit the embedding cache.
-            bodies = await asyncio.to_thread(build_bodies, cfg.work, model, cfg.seed + 1000 * len(reports))
+            seed = cfg.seed + 1000 * len(reports)
+            arrivals = None
+            if cfg.trace and scale is not None:
+                replay = timed(cfg.trace, rate)
+                arrivals = [r.t for r in replay]
+                bodies = await asyncio.to_thread(trace_bodies, replay, model, seed, scale)
+            else:
+                bodies = await asyncio.to_thread(build_bodies, cfg.work, model, seed)
             progress(f"rate {rate:g} req/s: sending {len(bodies)} requests")
             report, before, last_after = await run_rate(client, ends, bodies, rate, cfg.seed + len(reports),
-                                                        cfg.slo, cfg.timeout_s)
+                                                        cfg.slo, cfg.timeout_s, arrivals)
             first_before = before if first_before is None else first_before
             all_results.extend(report.pop("_results"))
             reports.append(report)
@@ -118,7 +133,8 @@ async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
     gp = goodput(points, cfg.slo.target)
     return {
         "url": url, "model": model, "workers": ends.workers,
-        "workload": asdict(cfg.work), "slo": asdict(cfg.slo), "seed": cfg.seed, "sweep": cfg.sweep,
+        "workload": asdict(cfg.work) if not cfg.trace else {"trace_requests": len(cfg.trace)},
+        "prompt_scale": asdict(scale) if scale is not None else None, "slo": asdict(cfg.slo), "seed": cfg.seed, "sweep": cfg.sweep,
         "goodput_rps": gp,
         # No failing rate above it was measured: the true goodput may be higher.
         "goodput_is_lower_bound": gp is not None and not any(r > gp for r, _ in points),

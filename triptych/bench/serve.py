@@ -17,16 +17,21 @@ from triptych.bench.nixl_bandwidth import measure_nixl
 from triptych.bench.report import TOPOLOGY_COLUMNS, fmt, format_report, plot_attainment, progress, table
 from triptych.bench.stats import SLO
 from triptych.bench.topologies import run_topologies
+from triptych.bench.trace import load_trace, trace_rate
 from triptych.bench.workload import Workload
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
+    trace = load_trace(args.trace) if getattr(args, "trace", None) else None
+    rates = list(args.rates)
+    if trace is not None:  # the trace's own timing unless --trace-rates re-times it
+        rates = list(getattr(args, "trace_rates", None) or [trace_rate(trace)])
     return RunConfig(
         work=Workload(num_requests=args.num_requests, images_per_request=args.images_per_request,
                       image_size=tuple(args.image_size), prompt_len=args.prompt_len,  # type: ignore[arg-type]
                       output_len=args.output_len),
         slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo, target=getattr(args, "attainment_target", 0.9)),
-        rates=list(args.rates), sweep=getattr(args, "sweep", False),
+        rates=rates, trace=trace, sweep=getattr(args, "sweep", False),
         sweep_max_rate=getattr(args, "sweep_max_rate", 64.0), sweep_steps=getattr(args, "sweep_steps", 2),
         seed=args.seed, timeout_s=getattr(args, "request_timeout", 120.0), warmup=getattr(args, "warmup", 1))
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from triptych.sampling_params import SamplingParams
-from triptych.topology import InstanceType
+from triptych.topology import InstanceType, Stage
 from triptych.worker.engine.admission import Admission
 from triptych.worker.engine.config import (
     DEFAULT_IMAGE_BUDGET,
@@ -52,7 +52,7 @@ from triptych.worker.engine.request import (
     StageNotServedError,
 )
 from triptych.worker.engine.role_change import PartsChanged, change_parts, needs_mm
-from triptych.worker.engine.scheduler import Counters, ScheduledBatch, Scheduler, SchedulerConfig
+from triptych.worker.engine.scheduler import Counters, QueuedWork, ScheduledBatch, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
 
@@ -358,6 +358,12 @@ class Engine:
                                    "rows_per_block": self.mm.rows_per_block,
                                    "entries": self.mm.num_entries, "bytes": self.mm.nbytes}
             return out
+
+    def queued_work(self) -> dict[Stage, QueuedWork]:
+        """Per-stage queues of this instance (`Scheduler.queued_work`), for /metrics."""
+        with self._lock:
+            arriving = [arg for kind, arg in list(self._inbox) if kind == "add"]
+            return self.scheduler.queued_work(arriving)
 
     @property
     def has_pending_inbox(self) -> bool:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from triptych.topology import Stage
@@ -94,6 +95,13 @@ class Counters:
 
     def as_dict(self) -> dict[str, int]:
         return dict(vars(self))
+
+
+@dataclass
+class QueuedWork:
+    requests: int = 0
+    tokens: int = 0  # prompt tokens still to prefill (prefill only)
+    images: int = 0  # images still to encode (encode only)
 
 
 @dataclass
@@ -163,6 +171,28 @@ class Scheduler:
             if entry is not None and item.offset + item.length <= done and item.content_hash in req.images:
                 self.mm.release(entry)
                 req.mm_entries[i] = None
+
+    def queued_work(self, arriving: Iterable[Request] = ()) -> dict[Stage, QueuedWork]:
+        """Work waiting per stage (the planner's signals, EPDServe §3.2.4's queue lengths):
+        requests not yet admitted, by the next stage they need here; images still to encode;
+        prompt tokens still to prefill (admitted prefills' remaining chunks included).
+        `arriving`: requests handed to the engine and not yet taken from its inbox."""
+        out = {s: QueuedWork() for s in Stage}
+        queued = [*self.waiting, *arriving]
+        for req in [*queued, *self.running]:
+            encodes = Stage.ENCODE in req.stages and self.mm is not None
+            pending = len(req.pending_mm()) if encodes else 0
+            out[Stage.ENCODE].images += pending
+            if self._runs_prefill(req) and not req.prefill_done and req.prefilled is None:
+                out[Stage.PREFILL].tokens += max(0, req.num_tokens - req.num_computed_tokens)
+        for req in queued:
+            if Stage.ENCODE in req.stages and self.mm is not None and req.pending_mm():
+                out[Stage.ENCODE].requests += 1
+            elif req.prefill_done or req.prefilled is not None:
+                out[Stage.DECODE].requests += 1
+            elif self._runs_prefill(req):
+                out[Stage.PREFILL].requests += 1
+        return out
 
     # --- Algorithm 1 ------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:

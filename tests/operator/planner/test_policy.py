@@ -99,10 +99,24 @@ def test_role_switching_disabled() -> None:
 
 
 def test_min_bound_of_the_source_blocks_the_move() -> None:
-    cfg = CFG.model_copy(update={"limits": {T.E: (2, 4)}})
+    cfg = CFG.model_copy(update={"limits": {T.E: (2, 4), T.P: (2, 4)}})
     ds, counts = run([snap(t, enc=0, pre=1, dec=18) for t in range(0, 40, 10)], EPD3, cfg)
     assert not actions(ds) and counts == EPD3
     assert "E is at its minimum 2" in ds[-1].reason
+
+
+def test_a_source_that_cannot_give_passes_to_the_next_least_loaded() -> None:
+    # E (idle) is at its minimum: the move comes from P, the next least loaded type.
+    cfg = CFG.model_copy(update={"limits": {T.E: (2, 4)}})
+    ds, counts = run([snap(t, enc=0, pre=1, dec=18) for t in range(0, 40, 10)], EPD3, cfg)
+    assert [(d.from_type, d.to_type) for d in actions(ds)] == [(T.P, T.D)]
+    assert counts == {T.E: 2, T.P: 1, T.D: 3}
+    # 2E1P1D after a shift to text-only prompts: E and D idle, P queued. D is the only
+    # decoder, so E gives (not a D -> P the bounds would refuse forever).
+    two_e = {T.E: 2, T.P: 1, T.D: 1}
+    ds, counts = run([snap(t, enc=0, pre=12, dec=0, counts=two_e) for t in range(0, 40, 10)], two_e, CFG)
+    assert [(d.from_type, d.to_type) for d in actions(ds)] == [(T.E, T.P)]
+    assert counts == {T.E: 1, T.P: 2, T.D: 1}
 
 
 def test_max_bound_of_the_target_blocks_the_move() -> None:

@@ -169,3 +169,14 @@ def test_prometheus_error_is_raised() -> None:
         lambda req: httpx.Response(200, json={"status": "error", "error": "parse error"})))
     with pytest.raises(RuntimeError, match="parse error"):
         client.query("up{")
+
+
+def test_prometheus_per_stage_worker_queues_win_over_estimates() -> None:
+    rec = dict(RECORDED, queued_requests=vector(({"stage": "encode"}, 3), ({"stage": "prefill"}, 1),
+                                                ({"stage": "decode"}, 0)),
+               queued_tokens=vector(({"stage": "prefill"}, 4321)),
+               queued_images=vector(({"stage": "encode"}, 7)))
+    s = snapshot_from_prometheus(prometheus(rec).query, "2m", now=5.0)
+    q = s.queues
+    assert (q["encode"].requests, q["prefill"].requests, q["decode"].requests) == (3, 1, 0)
+    assert (q["prefill"].tokens, q["encode"].images) == (4321, 7)

@@ -50,6 +50,33 @@ def test_one_request_through_e_p_d_takes_the_sum_of_its_steps_and_migrations() -
     assert report.slo_attainment == 1.0 and report.completed == 1
 
 
+def test_request_work_is_charged_once_per_instance_and_ttft_overhead_is_latency() -> None:
+    req = TraceRequest(t=0, images=[(112, 112)], prompt_tokens=20, output_tokens=4)
+    cfg = SimConfig(ttft_slo_s=10, tbt_slo_s=1)
+    base = Simulation({T.E: 1, T.P: 1, T.D: 1}, linear_profile(), cfg)
+    base.run([req])
+    work = {"E": 0.1, "P": 0.2, "D": 0.3}
+    sim = Simulation({T.E: 1, T.P: 1, T.D: 1}, linear_profile(), cfg.model_copy(
+        update={"request_work_s": work, "ttft_overhead_s": 0.05}))
+    report = sim.run([req])
+    b, r = base.requests[0], sim.requests[0]
+    assert r.first_token == pytest.approx(b.first_token + 0.1 + 0.2)  # the E step, then the P step
+    assert r.finish == pytest.approx(b.finish + 0.1 + 0.2 + 0.3)  # D's first decode step, once
+    busy = {i.kind.value: i.busy_time for i in sim.instances}
+    assert busy == pytest.approx({k: v + work[k] for k, v in {i.kind.value: i.busy_time
+                                                              for i in base.instances}.items()})
+    # The overhead is outside the instances: TTFT and E2E only.
+    assert report.ttft_p50_s == pytest.approx(r.first_token + 0.05)
+    assert report.e2e_p50_s == pytest.approx(r.finish + 0.05)
+
+
+def test_decode_token_overhead_is_paid_per_decoding_request() -> None:
+    prof = linear_profile().model_copy(update={"decode_token_overhead_s": 0.002})
+    assert prof.step_s(decodes=1) == pytest.approx(0.01 + 0.002)
+    assert prof.step_s(decodes=8) == pytest.approx(0.01 + 8 * 0.002)  # the forward is shared, not this
+    assert prof.step_s(prefill_tokens=10) == pytest.approx(0.01)
+
+
 def test_aggregated_instance_moves_nothing() -> None:
     prof = linear_profile(bytes_per_s=1.0)  # any transfer would take ages
     sim = Simulation({T.EPD: 1}, prof, SimConfig(ttft_slo_s=10, tbt_slo_s=1))

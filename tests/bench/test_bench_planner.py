@@ -1,0 +1,115 @@
+"""`triptych bench simulate-validate` and `bench autoscale-shift`: their pure parts, and a
+tiny smoke run of each against local deployments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from triptych.bench.autoscale_shift import format_report, planner_args, shift_trace
+from triptych.bench.sim_validate import error_pct, fit_overheads, format_table, with_template
+from triptych.cli import build_parser, main
+from triptych.operator.planner.model_shape import read_shape
+from triptych.operator.planner.roofline import roofline_profile
+from triptych.operator.planner.simulator import SimConfig, Simulation, simulate
+from triptych.operator.planner.workload import TraceRequest
+from triptych.tiny_model import tiny_model_path
+from triptych.topology import parse_topology
+
+
+def shift_args(*extra: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", "autoscale-shift", *extra])
+
+
+def test_shift_trace_is_two_phases_of_the_given_shapes_in_order() -> None:
+    args = shift_args("--rate", "2", "--phase-seconds", "5", "--before-images", "3", "--after-prompt", "500",
+                      "--after-output", "9")
+    trace, n_before = shift_trace(args)
+    before, after = trace[:n_before], trace[n_before:]
+    assert n_before == len(after) == 10
+    assert all(len(r.images) == 3 and r.prompt_tokens == 32 for r in before)
+    assert all(not r.images and r.prompt_tokens == 500 and r.output_tokens == 9 for r in after)
+    assert all(a.t <= b.t for a, b in zip(trace, trace[1:], strict=False))
+    assert after[0].t > before[-1].t
+
+
+def test_planner_gets_the_bench_thresholds_and_no_encoder_scaling() -> None:
+    a = planner_args(shift_args("--interval", "1.5", "--sustain", "4"))
+    assert a[a.index("--interval") + 1] == "1.5" and a[a.index("--sustain") + 1] == "4"
+    assert "--no-encoder-scaling" in a
+
+
+def test_error_is_signed_relative_to_the_measurement() -> None:
+    assert error_pct(0.11, 0.1) == pytest.approx(10.0)
+    assert error_pct(0.05, 0.1) == pytest.approx(-50.0)
+    assert error_pct(None, 0.1) is None and error_pct(0.1, 0.0) is None
+
+
+def test_fitted_overheads_make_the_lone_request_match() -> None:
+    model = tiny_model_path("qwen2-vl")
+    profile = roofline_profile(read_shape(model), "H100")
+    topo = parse_topology("1E1P1D")
+    lone = with_template([TraceRequest(t=0, images=[(224, 224)], prompt_tokens=30, output_tokens=9)], 20)
+    assert lone[0].prompt_tokens == 50
+    cfg = SimConfig()
+    fit = fit_overheads(topo, profile, lone, cfg, ttft=0.08, tpot=0.006)
+    assert fit.cfg.request_work_s == {}
+    sim = simulate(topo, fit.profile, lone, fit.cfg)
+    assert sim.tpot_p50_s == pytest.approx(0.006, rel=1e-6)
+    assert sim.ttft_p50_s == pytest.approx(0.08, rel=1e-6)
+    # With each type's CPU per lone request: what its steps do not use is request work,
+    # twice as long at half a CPU; the TPOT and TTFT of the lone request still match.
+    cpu = {"E": 0.01, "P": 0.012, "D": 0.01}
+    fit = fit_overheads(topo, profile, lone, cfg, ttft=0.08, tpot=0.006, cpu_s=cpu, instance_cpus=0.5)
+    steps = Simulation(topo, fit.profile, cfg)
+    steps.run(lone)
+    for inst in steps.instances:
+        want = max(0.0, cpu[inst.kind.value] - inst.busy_time) * 2
+        assert fit.cfg.request_work_s[inst.kind.value] == pytest.approx(want, rel=0.02, abs=1e-6)
+    assert fit.cfg.request_work_s["E"] > 0 and fit.cfg.request_work_s["P"] > 0
+    sim = simulate(topo, fit.profile, lone, fit.cfg)
+    assert sim.tpot_p50_s == pytest.approx(0.006, rel=0.02) and sim.ttft_p50_s == pytest.approx(0.08, rel=1e-6)
+
+
+def test_tables_print_every_row() -> None:
+    row = {"topology": "EPD", "rate": 2.0, "completed": 3, "num_requests": 3, "load_avg_1m": 1.5}
+    for m in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s"):
+        row |= {f"measured_{m}": 0.1, f"simulated_{m}": 0.11, f"error_{m}": 10.0}
+    text = format_table([row])
+    assert "EPD" in text and "4/4 within 15%" in text
+    phase = {"slo_attainment": 1.0, "ttft_p90_s": 0.2}
+    run = {"mode": "autoscale", "before": phase, "after": phase, "after_2nd_half": phase, "lost": 0,
+           "load_avg_1m": 2.0, "planner": {"counts": {"E": 1, "P": 2, "D": 1}, "decisions": 5, "actions": [
+               {"t_s": 3.0, "action": "switch_role", "reason": "reactive: move one E to P"}]}}
+    text = format_report([run])
+    assert "move one E to P" in text and '{"E": 1, "P": 2, "D": 1}' in text
+
+
+@pytest.mark.slow
+def test_simulate_validate_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "profile.json"
+    roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100").save(profile)
+    argv = ["bench", "simulate-validate", "--topologies", "EPD", "--rates", "2", "--num-requests", "3",
+            "--output-tokens", "4", "--profile", str(profile), "--instance-cpus", "1", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len(rows) == 1 and rows[0]["completed"] == 3
+    assert rows[0]["measured_ttft_p50_s"] > 0 and rows[0]["simulated_ttft_p50_s"] > 0
+    assert rows[0]["error_ttft_p50_s"] is not None
+
+
+@pytest.mark.slow
+def test_autoscale_shift_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "autoscale-shift", "--topology", "1E1P1D", "--rate", "2", "--phase-seconds", "1.5",
+            "--after-prompt", "40", "--before-output", "3", "--after-output", "3", "--interval", "0.5",
+            "--instance-cpus", "1", "--json"]
+    assert main(argv) == 0
+    runs = {r["mode"]: r for r in json.loads(capsys.readouterr().out)["runs"]}
+    assert set(runs) == {"autoscale", "static"}
+    for r in runs.values():
+        assert r["lost"] == 0 and r["before"]["requests"] == r["after"]["requests"] == 3
+    assert runs["autoscale"]["planner"]["decisions"] >= 1 and runs["static"]["planner"] is None
+    assert runs["autoscale"]["planner"]["counts"] == {"E": 1, "P": 1, "D": 1}  # 1E1P1D: nothing may move

@@ -1,0 +1,269 @@
+"""`triptych bench simulate-validate`: the simulator against measured runs of the same
+workload on this machine (issue 11: TTFT and TPOT p50 / p90, error in %).
+
+1. A step-time profile of the model measured here (`triptych profile`), in a cgroup with
+   the same CPU quota and threads as each instance (or `--profile FILE`).
+2. One synthetic trace (Poisson arrivals, fixed shapes), re-timed to each rate.
+3. Per topology: a capacity-faithful local deployment (`--instance-cpus X`: every
+   instance capped at X CPUs, triptych/cpu_quota.py) replays the trace at each rate
+   (`bench serve --trace`); the simulator runs the same trace on the same topology with
+   the measured profile. The prompt the simulator sees includes the chat template's
+   tokens (measured by the replay's calibration).
+4. A table: measured vs simulated TTFT / TPOT p50 and p90 and the error
+   (simulated - measured) / measured in %, with the load average of the machine.
+
+The profile times the engine's steps alone; a served request also pays for HTTP hops
+(client -> router -> instances, SSE back), the worker's driver loop and streaming. With
+`--fit-overheads` (the default) these fixed costs are measured per topology from a lone
+request before the load (one warm-up, nine timed; no queueing): a cost per decoding request per step
+(`StepProfile.decode_token_overhead_s`) so the simulated TPOT of that request matches,
+busy time per request per instance type from the instances' CPU
+(`SimConfig.request_work_s`), then a per-request TTFT overhead (`SimConfig.ttft_overhead_s`). What the loaded runs then
+validate is the simulator's batching and queueing. `--no-fit-overheads` compares the
+raw profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from triptych.bench.client import discover, send_request
+from triptych.bench.errors import BenchError
+from triptych.bench.idle_cpu import cpu_seconds
+from triptych.bench.loadgen import RunConfig, run_bench
+from triptych.bench.report import fmt, progress
+from triptych.bench.stats import SLO
+from triptych.bench.trace import calibrate, timed, trace_bodies
+from triptych.bench.workload import Workload
+from triptych.operator.planner.profile import StepProfile
+from triptych.operator.planner.simulator import SimConfig, simulate
+from triptych.operator.planner.workload import TraceRequest, WorkloadSpec, fixed, generate
+from triptych.topology import InstanceType
+
+METRICS = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
+
+
+def measure_profile(model_dir: Path, out: Path, cpus: float | None, priority: float) -> StepProfile:
+    """`triptych profile` in a subprocess, inside a cgroup of `cpus` CPUs when given (the
+    instances' capacity: a profile measured on the whole machine would be too fast)."""
+    from triptych.cpu_quota import DeploymentGroups, QuotaUnavailable, threads_for
+
+    groups = None
+    threads = threads_for(cpus) if cpus else 1
+    if cpus:
+        try:
+            groups = DeploymentGroups.create(priority=priority)
+            groups.add_instance("profile", cpus)
+        except (QuotaUnavailable, OSError) as exc:
+            progress(f"warning: profiling WITHOUT a CPU quota ({exc})")
+            groups = None
+    cmd = [sys.executable, "-m", "triptych.cli", "profile", "--model", str(model_dir), "--out", str(out),
+           "--threads", str(threads), "--contexts", "32", "256", "--batches", "1", "4", "16"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    preexec = (lambda: groups.move(os.getpid(), "profile")) if groups is not None else None
+    try:
+        subprocess.run(cmd, check=True, env=env, preexec_fn=preexec, timeout=900, stdout=subprocess.DEVNULL)
+    except (subprocess.SubprocessError, OSError) as exc:
+        raise BenchError(f"triptych profile failed: {exc}") from exc
+    finally:
+        if groups is not None:
+            groups.remove()
+    return StepProfile.load(out)
+
+
+def make_trace(args: argparse.Namespace) -> list[TraceRequest]:
+    spec = WorkloadSpec(rate=1.0, num_requests=args.num_requests, images_per_request=fixed(args.images_per_request),
+                        image_size=tuple(args.image_size), prompt_tokens=fixed(args.prompt_tokens),
+                        output_tokens=fixed(args.output_tokens), seed=args.seed)
+    return generate(spec)
+
+
+def with_template(trace: list[TraceRequest], template_tokens: int) -> list[TraceRequest]:
+    return [r.model_copy(update={"prompt_tokens": r.prompt_tokens + template_tokens}) for r in trace]
+
+
+def error_pct(sim: float | None, real: float | None) -> float | None:
+    if sim is None or real is None or real <= 0:
+        return None
+    return 100.0 * (sim - real) / real
+
+
+async def lone_request(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
+                       repeats: int = 9) -> tuple[float, float, dict[str, float], int]:
+    """Median TTFT and TPOT of a lone request shaped like the trace's first (after one
+    warm-up), the CPU seconds the instances of each type (`pids` by type) spent per such
+    request, and the template tokens the served model adds to a prompt."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
+        model, ends = await discover(client, url, [], {})
+        scale = await calibrate(client, url, model, {})
+        bodies = trace_bodies([trace[0]] * (repeats + 1), model, seed=99, scale=scale)
+        ttfts, tpots = [], []
+        cpu0: dict[str, float] = {}
+        for i, body in enumerate(bodies):
+            if i == 1:  # after the warm-up
+                cpu0 = {name: sum(cpu_seconds(p) for p in ps) for name, ps in pids.items()}
+            r = await send_request(client, f"{url}/v1/chat/completions", body, 120.0)
+            if not r.ok or r.ttft is None:
+                raise BenchError(f"lone request failed: {r.error}")
+            ttfts.append(r.ttft)
+            tpots.append(r.tpot or 0.0)
+        cpu = {name: (sum(cpu_seconds(p) for p in ps) - cpu0[name]) / repeats for name, ps in pids.items()}
+    return statistics.median(ttfts[1:]), statistics.median(tpots[1:]), cpu, scale.template_tokens
+
+
+@dataclass
+class Fitted:
+    profile: StepProfile
+    cfg: SimConfig
+
+    def describe(self) -> str:
+        return (f"token overhead {self.profile.decode_token_overhead_s * 1e3:.2f} ms, request work "
+                + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.cfg.request_work_s.items())
+                + f" ms per request, TTFT overhead "
+                f"{self.cfg.ttft_overhead_s * 1e3:.1f} ms")
+
+
+def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone: list[TraceRequest],
+                  cfg: SimConfig, ttft: float, tpot: float, cpu_s: dict[str, float] | None = None,
+                  instance_cpus: float | None = None) -> Fitted:
+    """The fixed costs the profile does not see, from a lone request (no queueing):
+
+    1. a cost per decoding request per step so the simulated TPOT matches: handing each
+       token out (output processing, the stage stream, the router's SSE) is work per
+       request, unlike the step's forward, which the batch shares;
+    2. with the CPU seconds per lone request of each instance type (`cpu_s`): what its
+       steps do not account for is request work that keeps the instance busy (its stage
+       run's HTTP, image decode, transfers); at a quota of X < 1 CPU it takes 1/X as long
+       in wall time under load;
+    3. a TTFT overhead for what is left of the lone request's TTFT: the router and the
+       hops' latency, which use no instance's capacity."""
+    from triptych.operator.planner.simulator import Simulation
+
+    fitted = profile
+    slow = 1.0 / min(1.0, instance_cpus) if instance_cpus else 1.0
+    for _ in range(4):  # the two fits feed each other (request work lengthens a step); a few rounds settle
+        lone_sim = simulate(topology, fitted, lone, cfg)
+        per_token = max(0.0, fitted.decode_token_overhead_s + tpot - (lone_sim.tpot_p50_s or 0.0))
+        fitted = profile.model_copy(update={"decode_token_overhead_s": per_token})
+        if cpu_s is None:
+            break
+        sim = Simulation(topology, fitted, cfg.model_copy(update={"request_work_s": {}}))
+        sim.run(lone)
+        busy: dict[str, float] = {}
+        for inst in sim.instances:
+            busy[inst.kind.value] = busy.get(inst.kind.value, 0.0) + inst.busy_time
+        cfg = cfg.model_copy(update={"request_work_s": {
+            kind: max(0.0, cpu - busy.get(kind, 0.0)) * slow for kind, cpu in cpu_s.items()}})
+    again = simulate(topology, fitted, lone, cfg)
+    return Fitted(fitted, cfg.model_copy(update={"ttft_overhead_s": max(0.0, ttft - (again.ttft_p50_s or 0.0))}))
+
+
+def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, profile: StepProfile,
+                 trace: list[TraceRequest], args: argparse.Namespace) -> list[dict[str, Any]]:
+    from triptych.local import LocalDeployment
+
+    sim_cfg = SimConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
+    dep = LocalDeployment(model=model_dir, topology=topology, transfer_require=args.transfer_require,
+                          instance_cpus=args.instance_cpus, cpu_priority=args.priority,
+                          log_dir=Path(args.log_dir) / spec if args.log_dir else None)
+    rows = []
+    with dep:
+        if args.instance_cpus and dep.quota is None:
+            progress(f"warning: {spec} runs WITHOUT CPU quotas ({dep.quota_error})")
+        pids: dict[str, list[int]] = {}
+        for w in dep.workers:  # worker-<type>-<index>
+            pids.setdefault(w.name.split("-")[1], []).append(w.popen.pid)
+        lone_ttft, lone_tpot, lone_cpu, template = asyncio.run(lone_request(dep.router_url, trace, pids))
+        sim_trace = with_template(trace, template)
+        fit = Fitted(profile, sim_cfg)
+        if args.fit_overheads:
+            fit = fit_overheads(topology, profile, sim_trace[:1], sim_cfg, lone_ttft, lone_tpot,
+                                lone_cpu if args.fit_request_work else None, args.instance_cpus)
+        cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in lone_cpu.items())
+        progress(f"== {spec}: lone TTFT {lone_ttft * 1e3:.1f} ms, TPOT {lone_tpot * 1e3:.2f} ms, instance CPU "
+                 f"{cpu_text} ms, template {template} tokens; fitted {fit.describe()}")
+        cfg = RunConfig(work=Workload(), slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), rates=list(args.rates),
+                        seed=args.seed, timeout_s=args.request_timeout, warmup=0, trace=trace)
+        load_before = os.getloadavg()[0]
+        measured = asyncio.run(run_bench(dep.router_url, cfg, [w.url for w in dep.workers]))
+        load_after = os.getloadavg()[0]
+    for rate, real in zip(args.rates, measured["rates"], strict=True):
+        sim = simulate(topology, fit.profile, timed(sim_trace, rate), fit.cfg)
+        row: dict[str, Any] = {"topology": spec, "rate": rate, "completed": real["completed"],
+                               "num_requests": real["num_requests"], "ttft_overhead_s": fit.cfg.ttft_overhead_s,
+                               "request_work_s": fit.cfg.request_work_s,
+                               "decode_token_overhead_s": fit.profile.decode_token_overhead_s,
+                               "lone_ttft_s": lone_ttft,
+                               "lone_tpot_s": lone_tpot, "lone_instance_cpu_s": lone_cpu,
+                               "load_avg_1m": round(max(load_before, load_after), 2)}
+        for m in METRICS:
+            row[f"measured_{m}"], row[f"simulated_{m}"] = real.get(m), getattr(sim, m)
+            row[f"error_{m}"] = error_pct(getattr(sim, m), real.get(m))
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ["topology", "rate", "ok", "load1m"]
+    for m in ("TTFT50", "TTFT90", "TPOT50", "TPOT90"):
+        head += [f"{m} real", "sim", "err%"]
+    lines = ["  ".join(f"{h:>9}" for h in head)]
+    for r in rows:
+        cells = [r["topology"], fmt(float(r["rate"]), 1, 2), f"{r['completed']}/{r['num_requests']}",
+                 fmt(r["load_avg_1m"], 1, 2)]
+        for m in METRICS:
+            cells += [fmt(r[f"measured_{m}"], 1e3, 1), fmt(r[f"simulated_{m}"], 1e3, 1),
+                      fmt(r[f"error_{m}"], 1, 1)]
+        lines.append("  ".join(f"{c:>9}" for c in cells))
+    errs = [abs(r[f"error_{m}"]) for r in rows for m in METRICS if r[f"error_{m}"] is not None]
+    if errs:
+        lines.append(f"\nTTFT/TPOT in ms; err% = (sim - real) / real. Mean |err| {statistics.mean(errs):.1f}%, "
+                     f"max {max(errs):.1f}%, {sum(e <= 15 for e in errs)}/{len(errs)} within 15%.")
+    return "\n".join(lines)
+
+
+def cli_main(args: argparse.Namespace) -> int:
+    from triptych.local import resolve_model
+    from triptych.topology import TopologyError, parse_topology
+
+    try:
+        try:
+            topologies = {s.strip(): parse_topology(s.strip()) for s in args.topologies.split(",") if s.strip()}
+        except TopologyError as exc:
+            raise BenchError(str(exc)) from exc
+        if not topologies or not args.rates or any(r <= 0 for r in args.rates):
+            raise BenchError("need --topologies and positive --rates")
+        model_dir = resolve_model(args.model)
+        if args.profile:
+            profile = StepProfile.load(args.profile)
+        else:
+            out = Path(args.save_profile) if args.save_profile else Path(tempfile.mkdtemp()) / "profile.json"
+            progress(f"measuring a profile of {model_dir.name} at {args.instance_cpus} CPUs -> {out}")
+            profile = measure_profile(model_dir, out, args.instance_cpus, args.priority)
+        trace = make_trace(args)
+        rows = [row for spec, topo in topologies.items()
+                for row in run_topology(spec, topo, model_dir, profile, trace, args)]
+    except BenchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = {"rows": rows, "profile_source": profile.source, "instance_cpus": args.instance_cpus,
+              "priority": args.priority, "workload": {
+                  "num_requests": args.num_requests, "images_per_request": args.images_per_request,
+                  "image_size": list(args.image_size), "prompt_tokens": args.prompt_tokens,
+                  "output_tokens": args.output_tokens}}
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2) if args.json else format_table(rows))
+    return 0
