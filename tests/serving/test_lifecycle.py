@@ -211,15 +211,20 @@ def test_worker_keeps_an_idle_connection_longer_than_the_router_does(epd3) -> No
     default, so the router (which drops idle connections first) never sends a stage call
     on a connection the worker is closing: such a hop failed mid-stream with an empty
     ReadError while the worker was healthy."""
-    import socket
+    from http.client import HTTPConnection
     from urllib.parse import urlsplit
 
     _, dep = epd3
     url = urlsplit(dep.workers[0].url)
-    request = f"GET /live HTTP/1.1\r\nhost: {url.hostname}\r\n\r\n".encode()
-    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
-        sock.sendall(request)
-        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+    conn = HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        conn.request("GET", "/live")
+        first = conn.getresponse()
+        assert first.status == 200 and first.read()
+        sock = conn.sock
         time.sleep(6.5)  # past the 5 s default keep-alive
-        sock.sendall(request)
-        assert sock.recv(4096).startswith(b"HTTP/1.1 200"), "the worker closed an idle connection"
+        conn.request("GET", "/live")  # on the same socket; a closed one raises here or below
+        second = conn.getresponse()
+        assert second.status == 200 and second.read() and conn.sock is sock
+    finally:
+        conn.close()
