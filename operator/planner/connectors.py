@@ -1,9 +1,9 @@
 """Actuation: how a decision reaches a deployment.
 
-One interface, two connectors to come (the actuation round): Kubernetes (worker admin API
-+ relabel, Deployment replicas, an Event and status.plan per decision) and local (the
-router's `POST /admin/role`, instance processes). Only the recording connector exists
-now, for tests and dry runs.
+One interface, one connector per environment: Kubernetes (k8s_connector.py: worker admin
+API + relabel, Deployment replicas, an Event and status.plan per decision) and local
+(local_connector.py: the router's `POST /admin/role`, instance processes). The recording
+connector here serves tests and dry runs.
 """
 
 from __future__ import annotations
