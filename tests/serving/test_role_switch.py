@@ -214,10 +214,14 @@ def test_sigterm_hands_long_decodes_to_the_other_decode_instance(epd4) -> None:
 
 
 def _must_show_cases(seed_base: int) -> list[servekit.Case]:
-    """64 streams, 0-3 images each, outputs of 16-128 tokens with ignore_eos."""
+    """64 streams, 0-3 images each, outputs of 16-128 tokens with ignore_eos. The text-only
+    ones (every 4th) reach a decode instance first; they are the 128-token ones, so a switch
+    made once a D runs 4 decodes finds them running, not just ending (with short ones first,
+    a quiet machine finished them before the switch arrived and nothing was left to migrate)."""
     cases = servekit.make_cases(64, seed_base=seed_base)
     for c in cases:
-        c.max_tokens, c.ignore_eos, c.stream = 16 + (c.index * 37) % 113, True, True
+        c.max_tokens = 128 if not c.images else 16 + (c.index * 37) % 113
+        c.ignore_eos, c.stream = True, True
     return cases
 
 
