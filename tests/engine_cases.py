@@ -14,6 +14,19 @@ from triptych.processor import MultimodalProcessor
 from triptych.sampling_params import SamplingParams
 from triptych.worker.engine import Request
 
+
+@dataclass
+class Item:
+    """The multimodal item fields the scheduler and model runner read, for unit tests that
+    build requests by hand (no processor)."""
+
+    offset: int
+    length: int
+    content_hash: str
+    grid_thw: tuple[int, int, int] | None = None
+    kind: str = "image"
+
+
 TEXTS = [
     "hi",
     "describe the picture in a few words please",

@@ -5,12 +5,11 @@ runs, and which rows are sampled."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from engine_cases import make_cases, processor, to_request
+from engine_cases import Item, make_cases, processor, to_request
 
 from triptych.sampling_params import SamplingParams
 from triptych.worker.engine.kv_cache import KVCache
@@ -36,15 +35,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@dataclass
-class Item:
-    offset: int
-    length: int
-    content_hash: str
-    grid_thw: tuple[int, int, int] | None = None
-    kind: str = "image"
 
 
 def _req(rid: str, prompt: list[int], outputs: list[int] = (), delta: int = 0, mrope: bool = False,

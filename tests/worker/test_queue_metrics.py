@@ -3,10 +3,10 @@ writes them, read back by the planner's scrape path into one snapshot."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+from engine_cases import Item
 from prometheus_client import CollectorRegistry, generate_latest
 
 from triptych.operator.planner.signals import parse_metrics, snapshot_from_scrapes
@@ -16,15 +16,6 @@ from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.request import Request
 from triptych.worker.engine.scheduler import QueuedWork, Scheduler, SchedulerConfig
 from triptych.worker.metrics import InstanceCollector
-
-
-@dataclass
-class Item:
-    offset: int
-    length: int
-    content_hash: str
-    grid_thw: tuple[int, int, int] | None = None
-    kind: str = "image"
 
 
 class FakeEngine:

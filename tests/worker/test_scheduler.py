@@ -3,25 +3,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
+from engine_cases import Item
 
 from triptych.topology import Stage
 from triptych.worker.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocksError
 from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.request import Request, RequestStatus
 from triptych.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-
-
-@dataclass
-class Item:
-    offset: int
-    length: int
-    content_hash: str
-    grid_thw: tuple[int, int, int] | None = None
-    kind: str = "image"
 
 
 def _kv(num_blocks: int, block_size: int = 4) -> KVCache:
