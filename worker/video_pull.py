@@ -21,14 +21,9 @@ import numpy as np
 from pydantic import ValidationError
 
 from triptych.stage_protocol import VideoPart
-from triptych.worker.migration import BadHandleError, HandoffExpiredError, NoFreeBlocksError, PullFailedError
+from triptych.worker.migration import BadHandleError, NoFreeBlocksError, pull_errors
 from triptych.worker.transfer import TransferEngine
-from triptych.worker.transfer.base import (
-    BlockHandle,
-    IncompatibleHandleError,
-    LeaseExpiredError,
-    TransferError,
-)
+from triptych.worker.transfer.base import BlockHandle
 from triptych.worker.video_buffer import REGION, VideoBuffer, VideoBufferFullError
 
 
@@ -78,15 +73,10 @@ class VideoPuller:
             except VideoBufferFullError as exc:
                 raise NoFreeBlocksError(f"no staging room for video part {part.index}: {exc}") from exc
             try:
-                nbytes = transfer.pull(handle, REGION, ids, timeout_s=timeout_s)
+                with pull_errors(f"video part {part.index}"):
+                    nbytes = transfer.pull(handle, REGION, ids, timeout_s=timeout_s)
                 self.bytes_pulled[transfer.transport] = self.bytes_pulled.get(transfer.transport, 0) + nbytes
                 chunks.append(buffer.read(ids, part.rows))
-            except IncompatibleHandleError as exc:
-                raise BadHandleError(f"video part handle does not fit this instance: {exc}") from exc
-            except LeaseExpiredError as exc:
-                raise HandoffExpiredError(f"video part expired before it could be pulled: {exc}") from exc
-            except TransferError as exc:
-                raise PullFailedError(f"pulling video part {part.index} failed: {exc}") from exc
             finally:
                 buffer.free(ids)
         t = sum(p.grid_thw[0] for p in ordered)

@@ -10,12 +10,13 @@ from triptych.worker.migration.errors import (
     MigrationError,
     NoFreeBlocksError,
     PullFailedError,
+    pull_errors,
 )
 from triptych.worker.migration.leases import LeaseTable, pump_once, run_lease_pump
 
 __all__ = [
     "BadHandleError", "BlockStore", "HandoffExpiredError", "BlockTransfer", "LeaseTable", "MigrationError", "MigrationService",
-    "NoFreeBlocksError", "PullFailedError", "pump_once", "run_lease_pump",
+    "NoFreeBlocksError", "PullFailedError", "pull_errors", "pump_once", "run_lease_pump",
 ]
 
 

@@ -3,6 +3,11 @@ never read the message to decide."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from triptych.worker.transfer.base import IncompatibleHandleError, LeaseExpiredError, TransferError
+
 
 class MigrationError(Exception):
     """A hand-off could not be done; the message says which and why."""
@@ -25,3 +30,19 @@ class HandoffExpiredError(MigrationError):
 class PullFailedError(MigrationError):
     """The READ from the source failed (peer gone, timed out, transport error); the blocks
     reserved for it were freed."""
+
+
+@contextmanager
+def pull_errors(what: str) -> Iterator[None]:
+    """Run a READ from a source instance, turning the transfer engine's failures into
+    hand-off failures. `what` names the thing pulled in the messages ("pd blocks",
+    "video part 3"). One home for every puller: the migration service (embeddings, KV)
+    and the encode instance's video puller (worker/video_pull.py)."""
+    try:
+        yield
+    except IncompatibleHandleError as exc:
+        raise BadHandleError(f"{what}: handle does not fit this instance: {exc}") from exc
+    except LeaseExpiredError as exc:
+        raise HandoffExpiredError(f"{what}: hand-off expired before it could be pulled: {exc}") from exc
+    except TransferError as exc:
+        raise PullFailedError(f"pulling {what} failed: {exc}") from exc

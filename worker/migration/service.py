@@ -24,20 +24,9 @@ from pydantic import ValidationError
 
 from triptych.stage_protocol import EncodedItem, KVSource, MMSource
 from triptych.worker.engine.kv_cache import OutOfBlocksError
-from triptych.worker.migration.errors import (
-    BadHandleError,
-    HandoffExpiredError,
-    NoFreeBlocksError,
-    PullFailedError,
-)
+from triptych.worker.migration.errors import BadHandleError, NoFreeBlocksError, pull_errors
 from triptych.worker.migration.leases import Lease, LeaseTable, run_lease_pump
-from triptych.worker.transfer.base import (
-    BlockHandle,
-    IncompatibleHandleError,
-    LeaseExpiredError,
-    TransferError,
-    registry_metric,
-)
+from triptych.worker.transfer.base import BlockHandle, registry_metric
 
 log = logging.getLogger(__name__)
 
@@ -204,15 +193,9 @@ class MigrationService:
 
     async def _pull(self, handle: BlockHandle, region: str, block_ids: list[int], kind: str) -> None:
         started = time.monotonic()
-        try:
+        with pull_errors(f"{kind} blocks"):
             nbytes = await asyncio.to_thread(self.transfer.pull, handle, region, block_ids,
                                              timeout_s=self.pull_timeout_s)
-        except IncompatibleHandleError as exc:
-            raise BadHandleError(f"{kind} handle does not fit this instance: {exc}") from exc
-        except LeaseExpiredError as exc:
-            raise HandoffExpiredError(f"{kind} hand-off expired before it could be pulled: {exc}") from exc
-        except TransferError as exc:
-            raise PullFailedError(f"pulling {kind} blocks failed: {exc}") from exc
         MIGRATION_SECONDS.labels(kind=kind, transport=self.transport).observe(time.monotonic() - started)
         self.bytes_pulled[self.transport] = self.bytes_pulled.get(self.transport, 0) + nbytes
 
