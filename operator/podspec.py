@@ -132,7 +132,7 @@ def tolerations(tolerations: list[Any]) -> list[Obj]:
 def worker_lifecycle() -> tuple[Obj, int]:
     """The worker's preStop hook and its termination grace period.
 
-    The worker has no drain endpoint: it drains on SIGTERM (worker/server.py DrainingServer).
+    The worker has no drain endpoint: it drains on SIGTERM (worker/draining.py DrainingServer).
     The preStop hook is the kubelet's built-in `sleep` action (no binary needed in the image):
     it delays SIGTERM until the endpoints controller and the router's pod watch have seen the
     pod terminate, so no new request is routed to a worker that is already draining. The grace

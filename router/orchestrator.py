@@ -294,10 +294,15 @@ class Orchestrator:
     async def _decode_videos(self, req: GenerationRequest, plan: Plan, mm_items: list[MMItemSpec],
                              footprint: Footprint) -> dict[str, list[VideoPart]]:
         """Decode the request's videos on the plan's V instances, all videos at once, each
-        spread over every V instance (router/video_decode.py); the parts by content hash."""
+        spread over every V instance (router/video_decode.py); the parts by content hash. A
+        video placed on an encode instance whose MM cache holds its embedding (cache
+        affinity) is not decoded: it goes as bytes, used only if the entry was evicted."""
         if not plan.decoders or self.videos is None:
             return {}
-        videos = {m.content_hash: (m, data) for m, data in zip(mm_items, req.images, strict=True) if m.kind == "video"}
+        videos = {m.content_hash: (m, data) for m, data in zip(mm_items, req.images, strict=True)
+                  if m.kind == "video" and m.content_hash not in plan.cached}
+        if not videos:
+            return {}
         footprint.urls.update(inst.url for inst in plan.decoders)  # an abort frees their leases
         decoded = await asyncio.gather(*(self.videos.decode(req.request_id, data, item, list(plan.decoders))
                                          for item, data in videos.values()))

@@ -84,6 +84,10 @@ class Plan:
     # V instances that decode the request's videos (FlashCodec, paper 000 §3: one video's
     # GOP sets spread over all of them); empty: the encoding instance decodes them itself.
     decoders: tuple[Instance, ...] = ()
+    # Content hashes placed by cache affinity: on an instance whose MM cache likely holds
+    # their embedding. A video among them is not decoded on the V instances (only its
+    # bytes go, in case the embedding was evicted: the encoding instance then decodes).
+    cached: tuple[str, ...] = ()
 
 
 @dataclass
@@ -236,9 +240,12 @@ def plan_request(registry: Registry, chooser: Chooser, image_hashes: Sequence[st
         held = [affinity.holder(h, registry, exclude) for h in hashes]
         decisions += [Decision(Stage.ENCODE, AFFINITY_POLICY, "affinity") for h in held if h is not None]
         picks = [h or p for h, p in zip(held, picks, strict=True)]
+        cached = tuple(h for h, inst in zip(hashes, held, strict=True) if inst is not None)
+    else:
+        cached = ()
     placement = list(zip(hashes, picks, strict=True))
     encodes, hops = _encode_where_placed(path, placement)
-    return Plan(encodes, hops, tuple((h, inst.url) for h, inst in placement), tuple(decisions))
+    return Plan(encodes, hops, tuple((h, inst.url) for h, inst in placement), tuple(decisions), cached=cached)
 
 
 def _decision(chooser: Chooser, hop: Hop, i: int, stage: Stage) -> Decision:

@@ -10,15 +10,17 @@ instance over one shared queue, so a free slot takes the next GOP set whichever 
 it is on. Each V instance answers a `VideoPart` (a handle on its video buffer); the
 encode instance pulls the parts (worker/video_pull.py) instead of the bytes.
 
-A V instance's 400 (a video that demuxed but does not decode) is the client's 400; any
-other failure is a `StageFailure` of that V instance (the orchestrator retries without it).
+A V instance's 400 (a video that demuxed but does not decode) is the client's 400; its
+503 `draining` (it is shutting down, worker/video_instance.py) moves the GOP sets it has
+not taken to the plan's other V instances; any other failure is a `StageFailure` of that
+V instance (the orchestrator retries without it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -26,7 +28,7 @@ from triptych.router.backend import BackendError
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageFailure
 from triptych.router.videos import video_model
-from triptych.stage_protocol import MMItemSpec, VideoPart, VideoSegmentRequest
+from triptych.stage_protocol import VIDEO_DRAINING, MMItemSpec, VideoPart, VideoSegmentRequest
 from triptych.worker.video import (
     SamplingOptions,
     Segment,
@@ -62,50 +64,73 @@ class VideoDispatcher:
 
     async def decode(self, request_id: str, data: bytes, item: MMItemSpec,
                      instances: list[Instance]) -> list[VideoPart]:
-        """Decode one video over `instances`; its parts in segment order."""
-        slots = [inst for inst in instances for _ in range(self.slots_per_instance)]
-        segments = await asyncio.to_thread(self.plan, data, item, len(slots))
+        """Decode one video over `instances`; its parts in segment order. A V instance that
+        drains meanwhile (503 `draining`: shut down) keeps the sets it is decoding; the
+        sets it refuses go back in the queue for the others."""
+        segments = await asyncio.to_thread(self.plan, data, item, len(instances) * self.slots_per_instance)
         queue: asyncio.Queue[Segment] = asyncio.Queue()
         for seg in segments:
             queue.put_nowait(seg)
-        uploads = {inst.url: asyncio.Lock() for inst in instances}
-        uploaded: set[str] = set()
-        parts: list[VideoPart] = []
-        vid = segments[0].video_id
+        run = _Run(request_id, data, item, segments[0].video_id, queue,
+                   {inst.url: asyncio.Lock() for inst in instances})
+        live = list(instances)
+        while True:
+            tasks = [asyncio.create_task(self._slot(run, inst)) for inst in live for _ in range(self.slots_per_instance)]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for task in tasks:
+                    task.cancel()
+            if queue.empty():
+                return sorted(run.parts, key=lambda p: p.index)
+            gone = [inst for inst in live if inst.url in run.draining]
+            live = [inst for inst in live if inst.url not in run.draining]
+            if not live:
+                raise StageFailure(gone[0], "every V instance of the plan is draining", status=503)
+            log.info("request %s: %d GOP sets move off draining V instance(s) %s", request_id, queue.qsize(),
+                     [i.url for i in gone])
 
-        async def upload(inst: Instance, again: bool = False) -> None:
-            async with uploads[inst.url]:
-                if inst.url in uploaded and not again:
-                    return
-                resp = await self._call(inst, "PUT", f"/internal/video/{vid}", content=data)
-                if resp.status_code != 204:
-                    raise StageFailure(inst, f"{inst.url} refused the video upload ({resp.status_code})", status=502)
-                uploaded.add(inst.url)
+    async def _upload(self, run: _Run, inst: Instance, again: bool = False) -> None:
+        async with run.uploads[inst.url]:
+            if inst.url in run.uploaded and not again:
+                return
+            resp = await self._call(inst, "PUT", f"/internal/video/{run.video_id}", content=run.data)
+            if _is_draining(resp):
+                raise _Draining
+            if resp.status_code != 204:
+                raise StageFailure(inst, f"{inst.url} refused the video upload ({resp.status_code})", status=502)
+            run.uploaded.add(inst.url)
 
-        async def slot(inst: Instance) -> None:
-            while not queue.empty():
-                seg = queue.get_nowait()
-                await upload(inst)
-                body = VideoSegmentRequest(request_id=request_id, video_id=vid, segment=seg.model_dump(mode="json"),
-                                           options=item.video or {}).model_dump_json()
-                resp = await self._segment(inst, body)
-                if resp.status_code == 404:  # evicted from its store: send the bytes again, once
-                    await upload(inst, again=True)
-                    resp = await self._segment(inst, body)
-                if resp.status_code == 400:
-                    raise BackendError(400, _message(resp), code="invalid_video")
-                if resp.status_code != 200:
-                    raise StageFailure(inst, f"{inst.url} answered {resp.status_code} to a video segment: "
-                                             f"{_message(resp)}", status=503 if resp.status_code == 503 else 502)
-                parts.append(VideoPart.model_validate_json(resp.content))
+    async def _slot(self, run: _Run, inst: Instance) -> None:
+        """One decoder slot: takes the next GOP set whichever slot frees first (Alg. 2)."""
+        while not run.queue.empty() and inst.url not in run.draining:
+            seg = run.queue.get_nowait()
+            try:
+                resp = await self._decode_one(run, inst, seg)
+            except _Draining:
+                run.queue.put_nowait(seg)  # another V instance takes it
+                run.draining.add(inst.url)
+                inst.draining = True  # out of rotation now, not at its next probe
+                return
+            if resp.status_code == 400:
+                raise BackendError(400, _message(resp), code="invalid_video")
+            if resp.status_code != 200:
+                raise StageFailure(inst, f"{inst.url} answered {resp.status_code} to a video segment: "
+                                         f"{_message(resp)}", status=503 if resp.status_code == 503 else 502)
+            run.parts.append(VideoPart.model_validate_json(resp.content))
 
-        tasks = [asyncio.create_task(slot(inst)) for inst in slots]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for task in tasks:
-                task.cancel()
-        return sorted(parts, key=lambda p: p.index)
+    async def _decode_one(self, run: _Run, inst: Instance, seg: Segment) -> httpx.Response:
+        await self._upload(run, inst)
+        body = VideoSegmentRequest(request_id=run.request_id, video_id=run.video_id,
+                                   segment=seg.model_dump(mode="json"),
+                                   options=run.item.video or {}).model_dump_json()
+        resp = await self._segment(inst, body)
+        if resp.status_code == 404:  # evicted from its store: send the bytes again, once
+            await self._upload(run, inst, again=True)
+            resp = await self._segment(inst, body)
+        if _is_draining(resp):
+            raise _Draining
+        return resp
 
     async def _segment(self, inst: Instance, body: str) -> httpx.Response:
         return await self._call(inst, "POST", "/internal/video/segment", content=body,
@@ -120,6 +145,34 @@ class VideoDispatcher:
                                status=503 if isinstance(exc, httpx.ConnectError) else 502) from exc
         finally:
             inst.inflight -= 1
+
+
+@dataclass
+class _Run:
+    """One video's decode over the plan's V instances."""
+
+    request_id: str
+    data: bytes
+    item: MMItemSpec
+    video_id: str
+    queue: asyncio.Queue[Segment]
+    uploads: dict[str, asyncio.Lock]  # one upload at a time per instance
+    uploaded: set[str] = field(default_factory=set)
+    draining: set[str] = field(default_factory=set)  # instances that answered 503 `draining`
+    parts: list[VideoPart] = field(default_factory=list)
+
+
+class _Draining(Exception):
+    """The V instance is shutting down: it took nothing of this call."""
+
+
+def _is_draining(resp: httpx.Response) -> bool:
+    if resp.status_code != 503:
+        return False
+    try:
+        return resp.json()["error"]["code"] == VIDEO_DRAINING
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 def _message(resp: httpx.Response) -> str:

@@ -263,6 +263,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--decode-threads", type=int, default=2,
                    help="image decode threads; on a V instance, its video decoder threads")
+    p.add_argument("--video-decoder", choices=("auto", "pyav", "nvdec"), default="auto",
+                   help="a V instance's video decoder: NVDEC where CUDA and PyNvVideoCodec are available, "
+                        "else PyAV (auto); or force one")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--token-budget", type=int, default=None, help="tokens per step (default: from SLO or 2048)")
     p.add_argument("--image-budget", type=int, default=None, help="images encoded per step")

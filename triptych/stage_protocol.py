@@ -57,6 +57,9 @@ class VideoOptions(BaseModel):
 # answers with a `VideoPart`: a handle on its registered video buffer, pulled by the encode
 # instance like an embedding (HydraInfer §4.3 pull-based migration: lease, READ, confirm).
 VIDEO_ROWS_PER_BLOCK = 64  # patch rows per block of the video buffers (V source, E staging)
+# The error code of a V instance's 503 while it drains (shutting down): it takes no new
+# upload or GOP set, so the router deals the set to another V instance instead.
+VIDEO_DRAINING = "draining"
 
 
 class VideoPart(BaseModel):

@@ -157,6 +157,14 @@ class InstanceRuntime:
             if f"{region}_cache" in changed.loaded and cache is not None:
                 self.transfer.register(region, cache.tensor)
 
+    def begin_drain(self) -> bool:
+        """A shutdown signal: stop taking work (worker/draining.py); an instance with no
+        role holds nothing and exits at once."""
+        if self.engine is None:
+            return False
+        self.draining = True
+        return True
+
     async def drain(self) -> None:
         """Wait (up to drain_timeout_s) for in-flight runs and outstanding hand-overs; then
         free the leases nobody pulled. Running decodes are handed to another decode

@@ -31,6 +31,7 @@ from triptych.stage_protocol import WORKER_KEEPALIVE_TIMEOUT_S, RoleSwitch, Stag
 from triptych.topology import UNASSIGNED, InstanceType
 from triptych.worker import choices
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
+from triptych.worker.draining import DrainingServer
 from triptych.worker.engine.request import RequestValidationError
 from triptych.worker.errors import BadPayloadError, NotServingError, OverloadedError, error_code, http_status
 from triptych.worker.instance import InstanceRuntime
@@ -142,31 +143,6 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         return _error(http_status(exc), str(exc))
 
     return app
-
-
-class DrainingServer(uvicorn.Server):
-    """SIGTERM/SIGINT drain first: the instance reports `draining` (the router stops routing
-    to it), refuses new stage runs with 503, finishes in-flight work and outstanding
-    hand-overs (bounded by drain_timeout_s), then exits. A second signal exits at once."""
-
-    def __init__(self, config: uvicorn.Config, instance: InstanceRuntime) -> None:
-        super().__init__(config)
-        self.instance = instance
-        self._drain_task: asyncio.Task[None] | None = None
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._drain_task is not None or self.instance.engine is None:
-            return super().handle_exit(sig, frame)
-        log.info("signal %s: draining before exit", sig)
-        self.instance.draining = True
-        self._drain_task = asyncio.get_event_loop().create_task(self._drain_then_exit(sig, frame))
-
-    async def _drain_then_exit(self, sig: int, frame: Any) -> None:
-        await self.instance.drain()
-        # In-flight work is done; what uvicorn may still wait for is an idle keep-alive
-        # connection from the router, which must not hold the exit for the full 30 s.
-        self.config.timeout_graceful_shutdown = 2
-        super().handle_exit(sig, frame)
 
 
 def cli_main(args: argparse.Namespace) -> int:

@@ -35,6 +35,9 @@ class WorkerSettings(BaseModel):
     # an encode instance's staging for the patches it pulls; a V's held uploads.
     video_buffer_mb: int = 256
     video_cache_mb: int = 512
+    # A V instance's decoder: NVDEC (PyNvVideoCodec) where a CUDA device and the library are
+    # there, else PyAV on the CPU ("auto"); "pyav" / "nvdec" force one.
+    video_decoder: Literal["auto", "pyav", "nvdec"] = "auto"
     max_model_len: int | None = None
     token_budget: int | None = None
     image_budget: int | None = None
@@ -78,4 +81,5 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "enable_prefix_caching": not getattr(args, "no_prefix_caching", False),
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
-        "decode_threads": getattr(args, "decode_threads", 2)})
+        "decode_threads": getattr(args, "decode_threads", 2),
+        "video_decoder": getattr(args, "video_decoder", "auto")})

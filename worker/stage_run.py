@@ -97,6 +97,9 @@ async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request
         h = item.content_hash
         if item.kind != "video" or h in req.vision_inputs:
             continue
+        if not item.video_parts and videos_cached(inst, h):
+            continue  # sent to the instance whose MM cache holds it (router cache affinity): no decode
+
         if item.video_parts and h not in req.images:  # decoded on V instances: pull the patches
             assert inst.transfer is not None
             rows, grid = await asyncio.to_thread(inst.video_puller.pull, inst.transfer, item.video_parts,
@@ -104,6 +107,11 @@ async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request
             req.vision_inputs[h] = videos.from_parts(rows, grid, item)
         elif h in req.images:
             req.vision_inputs[h] = await asyncio.to_thread(videos.prepare, req.images[h], item)
+
+
+def videos_cached(inst: InstanceRuntime, content_hash: str) -> bool:
+    engine = inst.engine
+    return engine is not None and engine.admission.holds_embedding(content_hash)
 
 
 async def build_guide(engine: Any, req: Request) -> None:

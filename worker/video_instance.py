@@ -16,6 +16,12 @@ Endpoints: `PUT /internal/video/{video_id}` (bytes; hash checked), `POST
 /internal/video/segment` (a `VideoSegmentRequest` -> a `VideoPart`), `POST
 /internal/abort/{request_id}`; `/live`, `/ready`, `/health`, `/metrics`, `/admin/stats`.
 A V instance does not switch roles (`/admin/role` to anything but V is a 409).
+
+Shut down (SIGTERM: a scale-down, a pod deleted) it drains (worker/draining.py): /health
+says `draining` (the router deals it no more GOP sets), new uploads and segments get a
+503 `draining` (the router's dispatcher hands them to the other V instances), the
+segments it is decoding finish, and it stays up until the encode instance has pulled and
+confirmed every part it offered (or their leases expired), bounded by the drain deadline.
 """
 
 from __future__ import annotations
@@ -29,19 +35,22 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
 from triptych.processor import ProcessorError
+from triptych.stage_protocol import VIDEO_DRAINING as DRAINING
 from triptych.stage_protocol import RoleSwitch, VideoPart, VideoSegmentRequest
 from triptych.video_processing import VideoProcessorConfig, preprocess_frames
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
+from triptych.worker.draining import DrainingServer
 from triptych.worker.migration import LeaseTable, run_lease_pump
 from triptych.worker.settings import WorkerSettings, settings_from_args
 from triptych.worker.transfer import TransferEngine
 from triptych.worker.transfer.base import registry_metric
-from triptych.worker.video import PyAVBackend, Segment, VideoError, video_id
+from triptych.worker.video import Segment, VideoError, choose_backend, video_id
 from triptych.worker.video.service import VideoStore
 from triptych.worker.video_buffer import REGION, VideoBuffer, VideoBufferFullError
 
@@ -69,17 +78,36 @@ class VideoDecoderInstance:
         c = self.config
         patch_dim = 3 * c.temporal_patch_size * c.patch_size * c.patch_size
         self.buffer = VideoBuffer(patch_dim, settings.video_buffer_mb << 20)
-        self.store = VideoStore(settings.video_cache_mb << 20)
-        self.backend = PyAVBackend()
+        self.store = VideoStore(settings.video_cache_mb << 20, on_evict=self._forget)
+        self.backend, self.decoder_reason = choose_backend(settings.video_decoder, _gpu_id(settings.device))
+        log.info("video decoder: %s", self.decoder_reason)
         self.transfer = TransferEngine(f"{settings.instance_id}-V", require=settings.transfer_require)
         self.transfer.register(REGION, self.buffer.tensor)
         self.leases = LeaseTable(on_any_release=lambda lease: self.transfer.revoke(lease.lease_id))
         self.slots = asyncio.Semaphore(max(1, settings.decode_threads))
         self.decoding = 0
+        self.accepted = 0  # segment calls taken and not yet answered (waiting for a slot too)
+        self.draining = False
         self.counts = {"uploads": 0, "segments": 0, "refused": 0, "frames": 0}
 
     def load(self) -> float:
         return float(self.decoding)
+
+    def begin_drain(self) -> bool:
+        """A shutdown signal: take no more segments (worker/draining.py)."""
+        self.draining = True
+        return True
+
+    async def drain(self) -> None:
+        """Finish the segments taken, then wait for their parts to be pulled (each lease
+        confirmed, or expired); past the drain deadline what is left is freed."""
+        deadline = time.monotonic() + self.settings.drain_timeout_s
+        while (self.accepted or self.leases.outstanding()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.accepted or self.leases.outstanding():
+            log.warning("drain deadline passed with %d segments and %d leases outstanding", self.accepted,
+                        self.leases.outstanding())
+        log.info("drained: %d segments decoded, no parts left to pull", self.counts["segments"])
 
     def stats(self) -> dict[str, Any]:
         return {"role": "V", "instance_id": self.settings.instance_id, "transport": self.transfer.transport,
@@ -87,9 +115,11 @@ class VideoDecoderInstance:
                 "weights_loaded": False, "loaded": ["video_processor_config"],
                 # Checked by tests: no model code was ever imported into this process.
                 "model_modules": sorted(m for m in sys.modules if m.startswith(MODEL_MODULES)),
-                "inflight": self.decoding, "leases_outstanding": self.leases.outstanding(),
+                "inflight": self.decoding, "accepted": self.accepted, "draining": self.draining,
+                "leases_outstanding": self.leases.outstanding(),
                 "video_buffer_blocks": self.buffer.num_blocks, "video_buffer_free": self.buffer.free_blocks,
-                "decoder_threads": self.settings.decode_threads, **self.counts}
+                "decoder_threads": self.settings.decode_threads, "decoder": self.backend.name,
+                "decoder_reason": self.decoder_reason, **self.counts}
 
     async def decode(self, body: VideoSegmentRequest) -> VideoPart:
         """Decode one GOP set, patchify it, put the rows under a lease (Alg. 1 on this decoder)."""
@@ -123,15 +153,35 @@ class VideoDecoderInstance:
 
     def _decode_patchify(self, data: bytes, segment: Segment, config: VideoProcessorConfig) -> Any:
         decoded = self.backend.decode(data, segment)
-        return preprocess_frames(decoded.frames, config)
+        frames = decoded.frames
+        if not isinstance(frames, np.ndarray):  # NVDEC: RGB frames on the GPU; patchified on the CPU
+            frames = frames.cpu().numpy()
+        return preprocess_frames(frames, config)
+
+    def _forget(self, vid: str) -> None:
+        """A video left the store: the NVDEC backend's temporary file of it goes too."""
+        release = getattr(self.backend, "release", None)
+        if release is not None:
+            release(vid)
 
     def close(self) -> None:
         self.leases.expire(now=float("inf"))
         self.transfer.close()
 
 
+def _gpu_id(device: str) -> int:
+    """The GPU of `--device cuda:N` (NVDEC runs there); 0 otherwise."""
+    _, _, index = device.partition(":")
+    return int(index) if device.startswith("cuda") and index.isdigit() else 0
+
+
 def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": code or status}}, status_code=status)
+
+
+def _draining() -> JSONResponse:
+    # The router's dispatcher reads the code: the GOP set goes to another V instance.
+    return _error(503, "this V instance is draining (shutting down); it takes no new segments", DRAINING)
 
 
 def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
@@ -156,14 +206,17 @@ def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         return {"live": True}
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
         inst = holder["v"]
-        return {"status": "ok", "role": "V", "instance_id": settings.instance_id, "load": inst.load(),
-                "draining": False, "transport": inst.transfer.transport, "target_role": None}
+        body = {"status": "draining" if inst.draining else "ok", "role": "V", "instance_id": settings.instance_id,
+                "load": inst.load(), "draining": inst.draining, "transport": inst.transfer.transport,
+                "target_role": None}
+        return JSONResponse(body, status_code=503 if inst.draining else 200)
 
     @app.get("/ready")
-    async def ready() -> dict[str, Any]:
-        return {"ready": True, "role": "V"}
+    async def ready() -> JSONResponse:
+        draining = holder["v"].draining
+        return JSONResponse({"ready": not draining, "role": "V"}, status_code=503 if draining else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -183,6 +236,8 @@ def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     @app.put("/internal/video/{vid}")
     async def upload(vid: str, request: Request) -> Response:
         inst = holder["v"]
+        if inst.draining:
+            return _draining()
         data = await request.body()
         if len(data) > settings.video_cache_mb << 20:
             return _error(413, "video is larger than this instance's video store")
@@ -195,6 +250,9 @@ def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     @app.post("/internal/video/segment")
     async def segment(body: VideoSegmentRequest) -> JSONResponse:
         inst = holder["v"]
+        if inst.draining:
+            return _draining()
+        inst.accepted += 1
         try:
             part = await inst.decode(body)
         except LookupError as exc:
@@ -206,6 +264,8 @@ def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         except VideoBufferFullError as exc:
             SEGMENTS_DECODED.labels("full").inc()
             return _error(503, str(exc), "video_buffer_full")
+        finally:
+            inst.accepted -= 1
         SEGMENTS_DECODED.labels("ok").inc()
         return JSONResponse(part.model_dump(mode="json"))
 
@@ -228,5 +288,26 @@ def cli_main(args: argparse.Namespace) -> int:
     except MissingTokenError as exc:
         raise SystemExit(str(exc)) from exc
     app = create_video_app(settings, auth)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
+    DrainingServer(config, _Lazy(app)).run()
     return 0
+
+
+class _Lazy:
+    """The app's instance, built in its lifespan (after the server starts): a signal before
+    that finds nothing to drain."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    def _inst(self) -> VideoDecoderInstance | None:
+        return getattr(self.app.state, "instance", None)
+
+    def begin_drain(self) -> bool:
+        inst = self._inst()
+        return inst is not None and inst.begin_drain()
+
+    async def drain(self) -> None:
+        inst = self._inst()
+        if inst is not None:
+            await inst.drain()

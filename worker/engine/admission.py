@@ -55,6 +55,12 @@ class Admission:
         self.guides = GuideTokenizer(Path(config.model) / "tokenizer.json", self.spec.vocab_size,
                                      self.spec.eos_token_ids)
 
+    def holds_embedding(self, content_hash: str) -> bool:
+        """Whether this instance's MM cache holds the item's embedding now (a peek: an
+        entry may still be evicted before the request is scheduled)."""
+        with self._lock:
+            return self.mm is not None and self.mm.get(content_hash) is not None
+
     def validate(self, req: Request) -> None:
         """Raise a `RequestValidationError` subclass, or prepare `req` for the loop."""
         if not req.stages:
@@ -127,6 +133,8 @@ class Admission:
             h = item.content_hash
             if h in req.vision_inputs:
                 continue
+            if item.kind == "video" and h in cached:
+                continue  # its embedding is here: the video is not decoded again
             if h not in req.images:
                 if h in cached or req.prefilled is not None:
                     continue

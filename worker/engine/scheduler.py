@@ -373,7 +373,10 @@ class Scheduler:
             item = req.mm_items[i]
             # What this run encodes: items sent as bytes, and videos pulled from V instances
             # as patches (ready vision inputs, no bytes).
-            if item.content_hash not in req.images and item.content_hash not in req.vision_inputs:
+            # A video's bytes without vision inputs: admission skipped decoding it because its
+            # embedding was cached, and it was evicted since.
+            if item.content_hash not in req.vision_inputs and (
+                    item.kind == "video" or item.content_hash not in req.images):
                 batch.failed.append((req, f"embeddings of image {item.content_hash[:16]} are no longer "
                                           "cached and the request carries no image to encode"))
                 return

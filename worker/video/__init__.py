@@ -17,6 +17,7 @@ from .decode import (
     DecoderUnavailableError,
     NvdecBackend,
     PyAVBackend,
+    choose_backend,
     make_backend,
 )
 from .demux import SUPPORTED_CODECS, Gop, VideoIndex, index_video
@@ -38,6 +39,6 @@ __all__ = [
     "DecoderBackend", "DecoderSlot", "DecoderUnavailableError", "EmptyVideoError", "Gop", "GopTask",
     "InvalidVideoError", "LocalSlot", "NvdecBackend", "PyAVBackend", "SamplingOptions", "Segment",
     "UnsupportedCodecError", "VideoError", "VideoIndex", "VideoLimits", "VideoTooLargeError",
-    "VideoTooLongError", "index_video", "make_backend", "plan_segments", "sample_frame_indices",
+    "VideoTooLongError", "choose_backend", "index_video", "make_backend", "plan_segments", "sample_frame_indices",
     "second_per_grid_t", "video_id",
 ]

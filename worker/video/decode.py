@@ -177,13 +177,30 @@ class NvdecBackend:
 
 def make_backend(kind: str = "auto", gpu_id: int = 0) -> DecoderBackend:
     """'pyav', 'nvdec', or 'auto' (NVDEC where it is available, else PyAV)."""
+    return choose_backend(kind, gpu_id)[0]
+
+
+def choose_backend(kind: str = "auto", gpu_id: int = 0) -> tuple[DecoderBackend, str]:
+    """The backend for `kind` and why it was chosen (a V instance reports it in
+    /admin/stats). 'auto' takes NVDEC when a CUDA device and PyNvVideoCodec are both
+    there, else PyAV; a forced 'nvdec' that cannot run raises DecoderUnavailableError."""
     if kind == "pyav":
-        return PyAVBackend()
+        return PyAVBackend(), "pyav: forced (--video-decoder pyav)"
     if kind == "nvdec":
-        return NvdecBackend(gpu_id)
+        return NvdecBackend(gpu_id), f"nvdec: forced (--video-decoder nvdec), GPU {gpu_id}"
     if kind != "auto":
         raise ValueError(f"unknown video decoder {kind!r} (pyav, nvdec, auto)")
+    if not _cuda_available():
+        return PyAVBackend(), "pyav: auto, no CUDA device here"
     try:
-        return NvdecBackend(gpu_id)
-    except DecoderUnavailableError:
-        return PyAVBackend()
+        return NvdecBackend(gpu_id), f"nvdec: auto, CUDA and PyNvVideoCodec available, GPU {gpu_id}"
+    except DecoderUnavailableError as exc:
+        return PyAVBackend(), f"pyav: auto, NVDEC unavailable ({exc})"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())

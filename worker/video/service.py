@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -35,8 +36,9 @@ DEFAULT_CACHE_BYTES = 512 * 1024 * 1024
 class VideoStore:
     """Uploaded videos by content hash, least recently used evicted past `max_bytes`."""
 
-    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES, on_evict: Callable[[str], None] | None = None) -> None:
         self.max_bytes = max_bytes
+        self.on_evict = on_evict  # e.g. the NVDEC backend's temporary file of the video goes
         self._videos: OrderedDict[str, bytes] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
@@ -48,9 +50,14 @@ class VideoStore:
                 return
             self._videos[vid] = data
             self._size += len(data)
+            evicted = []
             while self._size > self.max_bytes and len(self._videos) > 1:
-                _, old = self._videos.popitem(last=False)
+                old_id, old = self._videos.popitem(last=False)
                 self._size -= len(old)
+                evicted.append(old_id)
+        for old_id in evicted:
+            if self.on_evict is not None:
+                self.on_evict(old_id)
 
     def get(self, vid: str) -> bytes | None:
         with self._lock:
