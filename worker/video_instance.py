@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -63,6 +64,10 @@ SEGMENT_SECONDS: Histogram = registry_metric(
     [], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 
+# Test hook: every GOP set takes at least this long on this instance, so a drain test can
+# catch a V instance mid-decode (tests/serving/test_video_v_drain.py). Unset in production.
+SEGMENT_DELAY_ENV = "TRIPTYCH_TEST_VIDEO_SEGMENT_DELAY_S"
+
 # Model code a V instance never imports (it holds no weights): the model families, the
 # engine's model runner and the transformers modeling code.
 MODEL_MODULES = ("triptych.worker.models", "triptych.worker.engine.model_runner", "transformers.models")
@@ -88,6 +93,7 @@ class VideoDecoderInstance:
         self.decoding = 0
         self.accepted = 0  # segment calls taken and not yet answered (waiting for a slot too)
         self.draining = False
+        self.test_delay_s = float(os.environ.get(SEGMENT_DELAY_ENV, "0") or 0)
         self.counts = {"uploads": 0, "segments": 0, "refused": 0, "frames": 0}
 
     def load(self) -> float:
@@ -134,6 +140,8 @@ class VideoDecoderInstance:
             self.decoding += 1
             started = time.monotonic()
             try:  # frames are allocated after decoding (§3.4), patches once frames are done
+                if self.test_delay_s:
+                    await asyncio.sleep(self.test_delay_s)
                 patches = await asyncio.to_thread(self._decode_patchify, data, segment, config)
             finally:
                 self.decoding -= 1
