@@ -5,7 +5,8 @@ router splits a video's sampled frames into GOP-aligned segments whose frame cou
 multiples of the temporal patch size (Alg. 1, Fig. 7b) and hands them out stall-free over
 the plan's V instances (Alg. 2, router/video_decode.py). This instance runs one such
 decoder pool: it holds uploaded videos by content hash, decodes a segment on one of its
-decoder threads (PyAV releases the GIL), patchifies the frames with the checkpoint's
+decoder threads (PyAV releases the GIL; NVDEC where CUDA and PyNvVideoCodec are there,
+`--video-decoder`), patchifies the frames with the checkpoint's
 video processor settings (`triptych.video_processing`: only the processor config is read,
 no model weights and no engine), writes the patches into its registered video buffer
 (worker/video_buffer.py) and offers the blocks under a lease. The encode instance pulls
@@ -175,6 +176,9 @@ class VideoDecoderInstance:
     def close(self) -> None:
         self.leases.expire(now=float("inf"))
         self.transfer.close()
+        close_backend = getattr(self.backend, "close", None)  # NVDEC: its temporary files
+        if close_backend is not None:
+            close_backend()
 
 
 def _gpu_id(device: str) -> int:

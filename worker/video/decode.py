@@ -131,8 +131,10 @@ class NvdecBackend:
         self._nvc = _import_nvc()
         self.gpu_id = gpu_id
         self._files: dict[str, str] = {}
+        # (thread, file) -> SimpleDecoder; one table (not thread-locals) so that `release`
+        # closes every thread's decoder of a video, not only the calling thread's.
+        self._decoders: dict[tuple[int, str], Any] = {}
         self._lock = threading.Lock()
-        self._local = threading.local()
 
     def _path(self, data: bytes, video_id: str) -> str:
         with self._lock:
@@ -145,12 +147,16 @@ class NvdecBackend:
             return path
 
     def _decoder(self, path: str) -> Any:
-        cache = self._local.__dict__.setdefault("decoders", {})
-        if path not in cache:
-            cache[path] = self._nvc.SimpleDecoder(
+        key = (threading.get_ident(), path)
+        with self._lock:
+            decoder = self._decoders.get(key)
+        if decoder is None:
+            decoder = self._nvc.SimpleDecoder(
                 path, gpu_id=self.gpu_id, use_device_memory=True,
                 output_color_type=self._nvc.OutputColorType.RGB)
-        return cache[path]
+            with self._lock:
+                self._decoders[key] = decoder
+        return decoder
 
     def decode(self, data: bytes, segment: Segment) -> DecodedSegment:
         import torch
@@ -170,9 +176,18 @@ class NvdecBackend:
         """Forget a finished video: its temporary file goes (decoders reopen if it comes back)."""
         with self._lock:
             path = self._files.pop(video_id, None)
+            if path:
+                for key in [k for k in self._decoders if k[1] == path]:
+                    del self._decoders[key]  # a decode running on it keeps its own reference
         if path:
-            self._local.__dict__.get("decoders", {}).pop(path, None)
             os.unlink(path)
+
+    def close(self) -> None:
+        """Every video's temporary file and decoder go (the instance shuts down)."""
+        with self._lock:
+            held = list(self._files)
+        for vid in held:
+            self.release(vid)
 
 
 def make_backend(kind: str = "auto", gpu_id: int = 0) -> DecoderBackend:
