@@ -174,6 +174,8 @@ def test_plan_request_places_images_by_affinity_first():
     assert [(r.instance.url, r.images) for r in plan.encodes] == [("http://e1", ("a", "b"))]
     assert [(d.stage, d.policy, d.outcome) for d in plan.decisions if d.outcome == "affinity"] == [
         (Stage.ENCODE, "cache-affinity", "affinity")]
+    assert plan.cached == ("a",)  # placed where it is likely cached (a video there is not decoded)
+    assert plan_request(reg, Chooser(), ["a", "b"]).cached == ()  # no affinity: nothing known cached
     # The holder may be the instance that prefills: it then encodes in its own hop.
     reg = registry("1E1EP1D")
     index.remember("a", "http://ep0")
