@@ -112,9 +112,10 @@ class VideoDecoderInstance:
         while (self.accepted or self.leases.outstanding()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.accepted or self.leases.outstanding():
-            log.warning("drain deadline passed with %d segments and %d leases outstanding", self.accepted,
-                        self.leases.outstanding())
-        log.info("drained: %d segments decoded, no parts left to pull", self.counts["segments"])
+            log.warning("drain deadline passed with %d segments and %d leases outstanding (freed at exit)",
+                        self.accepted, self.leases.outstanding())
+        else:
+            log.info("drained: %d segments decoded, no parts left to pull", self.counts["segments"])
 
     def stats(self) -> dict[str, Any]:
         return {"role": "V", "instance_id": self.settings.instance_id, "transport": self.transfer.transport,
