@@ -27,15 +27,18 @@ from triptych.worker.errors import (
 )
 from triptych.worker.migration import (
     BadHandleError,
+    HandoffExpiredError,
     LeaseTable,
     MigrationService,
     NoFreeBlocksError,
     PullFailedError,
+    pull_errors,
     run_lease_pump,
 )
 from triptych.worker.server import create_app
 from triptych.worker.settings import WorkerSettings
 from triptych.worker.transfer import TransferEngine
+from triptych.worker.transfer.base import IncompatibleHandleError, LeaseExpiredError, TransferError
 
 KV_SHAPE = (12, 2, 2, 4, 2, 8)  # [blocks, layers, k/v, block_size, kv_heads, head_dim]
 MM_SHAPE = (10, 4, 32)  # [blocks, rows_per_block, hidden]
@@ -383,3 +386,15 @@ def test_the_engine_is_a_block_store() -> None:
     for name in members:
         want = list(inspect.signature(getattr(BlockStore, name)).parameters)
         assert list(inspect.signature(getattr(Engine, name)).parameters) == want, name
+
+
+@pytest.mark.parametrize(("raised", "want", "text"), [
+    (IncompatibleHandleError, BadHandleError, "video part 3: handle does not fit this instance"),
+    (LeaseExpiredError, HandoffExpiredError, "video part 3: hand-off expired"),
+    (TransferError, PullFailedError, "pulling video part 3 failed"),
+])
+def test_pull_errors_turns_transfer_failures_into_handoff_failures(raised, want, text) -> None:
+    """The one translation both pullers use (the migration service, worker/video_pull.py)."""
+    with pytest.raises(want, match=text) as info, pull_errors("video part 3"):
+        raise raised("peer said no")
+    assert isinstance(info.value.__cause__, raised) and "peer said no" in str(info.value)
