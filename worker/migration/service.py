@@ -23,6 +23,7 @@ from prometheus_client import Histogram
 from pydantic import ValidationError
 
 from triptych.stage_protocol import EncodedItem, KVSource, MMSource
+from triptych.timings import TIMINGS, TimingRing
 from triptych.worker.engine.kv_cache import OutOfBlocksError
 from triptych.worker.migration.errors import (
     BadHandleError,
@@ -45,6 +46,11 @@ MIGRATION_SECONDS: Histogram = registry_metric(
     Histogram, "triptych_worker_migration_seconds",
     "Time to pull a request's blocks from the previous stage's instance (EP: embeddings, PD: KV)",
     ["kind", "transport"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+MIGRATION_PHASE_SECONDS: Histogram = registry_metric(
+    Histogram, "triptych_worker_migration_phase_seconds",
+    "Parts of a pull on the target: reserve (local blocks), dispatch (to the transfer thread), prepare "
+    "(handle checks, peer metadata), read (the READ), confirm (the lease notification)",
+    ["kind", "phase"], buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1))
 
 
 class MMBlocks(Protocol):
@@ -75,7 +81,7 @@ class BlockTransfer(Protocol):
                margin_s: float = 0.0) -> BlockHandle: ...
     def revoke(self, lease_id: str) -> None: ...
     def pull(self, handle: BlockHandle | dict[str, Any], local_region: str, local_block_ids: list[int], *,
-             timeout_s: float, notify: bool = True) -> int: ...
+             timeout_s: float, notify: bool = True, phases: dict[str, float] | None = None) -> int: ...
     def poll_notifications(self) -> list[tuple[str, str]]: ...
 
 
@@ -84,7 +90,8 @@ class MigrationService:
 
     def __init__(self, store: BlockStore, transfer: BlockTransfer, *, lease_seconds: float,
                  pull_timeout_s: float, bytes_pulled: dict[str, int] | None = None,
-                 clock: Callable[[], float] = time.monotonic, lease_margin_s: float = 1.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, lease_margin_s: float = 1.0,
+                 timings: TimingRing = TIMINGS) -> None:
         # Keep pull_timeout_s below the sources' lease TTL: a source must not free (and reuse)
         # blocks while a target is still reading them (the CLI derives one from the other).
         if pull_timeout_s <= 0 or lease_seconds <= 0:
@@ -97,6 +104,7 @@ class MigrationService:
         # Every release (confirm, expiry, cancel) also ends the lease's read grant.
         self.leases = LeaseTable(clock, on_any_release=lambda lease: transfer.revoke(lease.lease_id))
         self.bytes_pulled = {} if bytes_pulled is None else bytes_pulled  # transport -> bytes
+        self.timings = timings  # each pull's phases, exact (bench serve reads them)
         self._pump: asyncio.Task[None] | None = None
 
     @property
@@ -186,13 +194,14 @@ class MigrationService:
     async def pull_kv(self, src: KVSource) -> list[int]:
         """Reserve KV blocks for a prefilled request and pull them; returns the block ids
         (the request owns them from here). Freed again if the pull fails."""
+        started = time.monotonic()
         handle = _parse(src.handle)
         try:
             block_ids = self.store.reserve_kv(src.num_tokens)
         except OutOfBlocksError as exc:
             raise NoFreeBlocksError(f"no room for {src.num_tokens} tokens of prefilled KV: {exc}") from exc
         try:
-            await self._pull(handle, "kv", block_ids, "pd")
+            await self._pull(handle, "kv", block_ids, "pd", started)
         except BaseException:
             self.store.free_kv(block_ids)
             raise
@@ -202,18 +211,35 @@ class MigrationService:
         """Free pulled KV blocks that no request took over (it was refused before the engine)."""
         self.store.free_kv(block_ids)
 
-    async def _pull(self, handle: BlockHandle, region: str, block_ids: list[int], kind: str) -> None:
-        started = time.monotonic()
+    async def _pull(self, handle: BlockHandle, region: str, block_ids: list[int], kind: str,
+                    started: float | None = None) -> None:
+        """Pull and confirm; `started` is when the caller began (before reserving blocks)."""
+        dispatched = time.monotonic()
+        started = dispatched if started is None else started
+        phases: dict[str, float] = {"reserve": dispatched - started}
+
+        def pull() -> int:
+            phases["dispatch"] = time.monotonic() - dispatched  # the wait for a transfer thread
+            nbytes = self.transfer.pull(handle, region, block_ids, timeout_s=self.pull_timeout_s, phases=phases)
+            done[0] = time.monotonic()
+            return nbytes
+
+        done = [0.0]
         try:
-            nbytes = await asyncio.to_thread(self.transfer.pull, handle, region, block_ids,
-                                             timeout_s=self.pull_timeout_s)
+            nbytes = await asyncio.to_thread(pull)
         except IncompatibleHandleError as exc:
             raise BadHandleError(f"{kind} handle does not fit this instance: {exc}") from exc
         except LeaseExpiredError as exc:
             raise HandoffExpiredError(f"{kind} hand-off expired before it could be pulled: {exc}") from exc
         except TransferError as exc:
             raise PullFailedError(f"pulling {kind} blocks failed: {exc}") from exc
-        MIGRATION_SECONDS.labels(kind=kind, transport=self.transport).observe(time.monotonic() - started)
+        now = time.monotonic()
+        phases["resume"] = now - done[0]  # back on the event loop
+        seconds = now - started
+        MIGRATION_SECONDS.labels(kind=kind, transport=self.transport).observe(seconds)
+        for phase, value in phases.items():
+            MIGRATION_PHASE_SECONDS.labels(kind=kind, phase=phase).observe(value)
+        self.timings.record(kind, seconds, phases, nbytes)
         self.bytes_pulled[self.transport] = self.bytes_pulled.get(self.transport, 0) + nbytes
 
 
