@@ -16,12 +16,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
+from triptych.prefix_hash import BlockHash, PlaceholderRun
 from triptych.stage_protocol import EncodedItem, KVSource, MMSource
 from triptych.timings import TIMINGS, TimingRing
 from triptych.worker.engine.kv_cache import OutOfBlocksError
@@ -53,6 +54,11 @@ MIGRATION_PHASE_SECONDS: Histogram = registry_metric(
     ["kind", "phase"], buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1))
 
 
+KV_BLOCKS_REUSED: Counter = registry_metric(
+    Counter, "triptych_worker_kv_blocks_reused",
+    "Prefilled KV blocks a decode instance took from its own prefix cache instead of pulling them", [])
+
+
 class MMBlocks(Protocol):
     """An embedding's entry in the MM cache (the engine's `MMEntry`)."""
 
@@ -63,6 +69,10 @@ class BlockStore(Protocol):
     """The engine's block API, as migration uses it (`Engine` satisfies it)."""
 
     def reserve_kv(self, num_tokens: int) -> list[int]: ...
+    def kv_block_hashes(self, token_ids: Sequence[int], mm_items: Sequence[PlaceholderRun],
+                        num_tokens: int) -> list[BlockHash]: ...
+    def reserve_kv_cached(self, num_tokens: int, hashes: list[BlockHash]) -> tuple[list[int], int]: ...
+    def cache_kv(self, block_ids: list[int], hashes: list[BlockHash]) -> None: ...
     def free_kv(self, block_ids: list[int]) -> None: ...
     def acquire_mm(self, content_hash: str) -> MMBlocks | None: ...
     def reserve_mm(self, content_hash: str, num_rows: int) -> MMBlocks: ...
@@ -191,20 +201,36 @@ class MigrationService:
         for entry in entries:
             self.store.release_mm(entry)
 
-    async def pull_kv(self, src: KVSource) -> list[int]:
+    async def pull_kv(self, src: KVSource, token_ids: Sequence[int] = (),
+                      mm_items: Sequence[PlaceholderRun] = ()) -> list[int]:
         """Reserve KV blocks for a prefilled request and pull them; returns the block ids
-        (the request owns them from here). Freed again if the pull fails."""
+        (the request owns them from here). Freed again if the pull fails.
+
+        With the request's prompt (`token_ids`, `mm_items`) the leading full blocks this
+        instance's prefix cache already holds (the same hash chain: same tokens, same
+        images) are taken from it and not pulled: only the rest of the blocks cross the
+        wire (the lease is confirmed all the same). The pulled full blocks join the prefix
+        cache, so the next hand-over of the same prefix skips them too."""
         started = time.monotonic()
         handle = _parse(src.handle)
+        prompt_tokens = min(src.num_tokens, len(token_ids))
+        hashes = self.store.kv_block_hashes(token_ids, mm_items, prompt_tokens) if token_ids else []
+        hashes = hashes[:len(handle.block_ids)]
         try:
-            block_ids = self.store.reserve_kv(src.num_tokens)
+            block_ids, held = (self.store.reserve_kv_cached(src.num_tokens, hashes) if hashes
+                               else (self.store.reserve_kv(src.num_tokens), 0))
         except OutOfBlocksError as exc:
             raise NoFreeBlocksError(f"no room for {src.num_tokens} tokens of prefilled KV: {exc}") from exc
+        if held:
+            KV_BLOCKS_REUSED.inc(held)
         try:
-            await self._pull(handle, "kv", block_ids, "pd", started)
+            rest = handle.model_copy(update={"block_ids": handle.block_ids[held:]})
+            await self._pull(rest, "kv", block_ids[held:], "pd", started)
         except BaseException:
             self.store.free_kv(block_ids)
             raise
+        if hashes:
+            self.store.cache_kv(block_ids[held:len(hashes)], hashes[held:])
         return block_ids
 
     def discard_kv(self, block_ids: list[int]) -> None:
