@@ -86,16 +86,6 @@ def ep_d(tmp_path_factory: pytest.TempPathFactory):
         yield model, dep
 
 
-def _kv_block_nbytes(model: Path, block_size: int) -> int:
-    import json
-
-    config = json.loads((model / "config.json").read_text())
-    text = config.get("text_config", config)
-    heads = text["num_attention_heads"]
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    return text["num_hidden_layers"] * 2 * block_size * text.get("num_key_value_heads", heads) * head_dim * 4
-
-
 def test_decode_pulls_only_the_blocks_its_prefix_cache_lacks(ep_d) -> None:
     from triptych.prefix_hash import block_hashes
     from triptych.processor import MultimodalProcessor
@@ -103,7 +93,7 @@ def test_decode_pulls_only_the_blocks_its_prefix_cache_lacks(ep_d) -> None:
     model, dep = ep_d
     d = servekit.worker(dep, "D")
     block_size = servekit.stats(dep)[d.name]["kv_cache"]["block_size"]
-    kv_block = _kv_block_nbytes(model, block_size)
+    kv_block = servekit.kv_block_nbytes(model, block_size)
     proc = MultimodalProcessor.from_pretrained(model)
     questions = ["what is rain", "what is rain", "name a bird"]  # a repeat, then the same system prompt
     held_hashes: set[bytes] = set()  # what the D's prefix cache holds (nothing is evicted here)
