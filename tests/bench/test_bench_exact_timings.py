@@ -91,6 +91,7 @@ def test_figures_are_exact_percentiles() -> None:
     assert fig["pd_migrations"] == 5 and fig["pd_migration_p50_s"] == 0.003
     assert fig["pd_migration_p95_s"] == pytest.approx(0.004 + 0.8 * 0.096)  # numpy's linear rule, no buckets
     assert fig["pd_migration_phases_p50_s"] == {"read": 0.0015}
+    assert fig["pd_migration_phases_p95_s"]["read"] == pytest.approx(fig["pd_migration_p95_s"] / 2)
     assert fig["ep_migrations"] == 0 and fig["ep_migration_p95_s"] is None
     assert fig["router_overhead_requests"] == 2 and fig["router_overhead_p50_s"] == pytest.approx(0.0005)
 
