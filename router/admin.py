@@ -6,6 +6,9 @@ registry marks it switching, so no new work of its old role goes there), asks th
 switch (forwarding the admin token), and answers the worker's report: each phase's
 seconds and how many requests were migrated and handed back. Instance ids are the ones
 the router's `/health` lists to an admin.
+
+`GET /admin/timings?since=N` (the same token) returns the router's exact recent per-request
+overheads (overhead.py, triptych/timings.py), for `bench serve`.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from triptych.router.errors import error_type
 from triptych.router.registry import Registry
+from triptych.timings import TIMINGS, TimingsPage
 from triptych.topology import UNASSIGNED, InstanceType
 
 log = logging.getLogger("triptych.router.admin")
@@ -49,6 +53,12 @@ def _auth_failure(request: Request, token: str | None) -> JSONResponse | None:
 
 
 def add_admin_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClient, admin_token: str | None) -> None:
+    @app.get("/admin/timings", response_model=None)
+    async def timings(request: Request, since: int = 0) -> JSONResponse | TimingsPage:
+        # Exact recent per-request overheads of this router (overhead.py; bench serve).
+        denied = _auth_failure(request, admin_token)
+        return denied if denied is not None else TIMINGS.page(since)
+
     @app.post("/admin/role")
     async def switch_role(request: Request) -> JSONResponse:
         denied = _auth_failure(request, admin_token)

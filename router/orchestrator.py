@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from triptych.router.affinity import AffinityIndex, PrefixIndex
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
+from triptych.router.overhead import WaitClock, record_first_token
 from triptych.router.registry import Instance, Registry
 from triptych.router.routing import (
     Chooser,
@@ -89,6 +90,7 @@ class Footprint:
 
     urls: set[str] = field(default_factory=set)
     ids: list[str] = field(default_factory=list)
+    waits: WaitClock = field(default_factory=WaitClock)  # time spent waiting on workers (overhead.py)
 
     def abort_ids(self) -> list[str]:
         return [i + suffix for i in self.ids for suffix in ("", ENCODE_ID_SUFFIX)]
@@ -135,8 +137,12 @@ class Orchestrator:
         self._admit(req)
         footprint = Footprint()
         self.inflight += 1
+        first = True
         try:
             async for event in self._generate(req, footprint):
+                if first and event.token_ids:
+                    record_first_token(footprint.waits)
+                    first = False
                 yield event
         except (asyncio.CancelledError, GeneratorExit, BackendError):
             await self.stages.abort(footprint.urls, footprint.abort_ids(), self.config.abort_timeout_s)
@@ -255,7 +261,7 @@ class Orchestrator:
             footprint.urls.add(hop.instance.url)
             kv_source = None
             relay = _Relay(req.sampling.n)
-            async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s)) as events:
+            async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
                 async for event in events:
                     if isinstance(event, PrefilledEvent):
                         kv_source = event.kv
@@ -339,7 +345,7 @@ class Orchestrator:
             received = False
             relay = _Relay(req.sampling.n)
             try:
-                async with aclosing(self.stages.run(target, sreq, self.config.stage_timeout_s)) as events:
+                async with aclosing(self.stages.run(target, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
                     async for event in events:
                         received = True
                         if isinstance(event, FinishedEvent):
@@ -401,7 +407,7 @@ class Orchestrator:
                             images={h: images[h] for h in run.images if h in images},
                             sampling=req.sampling, timeout_s=self.config.stage_timeout_s)
         footprint.urls.add(run.instance.url)
-        async with aclosing(self.stages.run(run.instance, sreq, self.config.stage_timeout_s)) as events:
+        async with aclosing(self.stages.run(run.instance, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
             async for event in events:
                 if isinstance(event, EncodedEvent):
                     return [MMSource(content_hash=e.content_hash, num_tokens=e.num_tokens, handle=e.handle)

@@ -4,7 +4,9 @@
 choices (chosen by policy, kept local, placed by cache affinity, retried elsewhere, or
 refused: no instance, overloaded); `triptych_frontend_hop_seconds{stages, outcome}` times
 each stage call; `triptych_frontend_instance_{load,ready}{instance, role}` mirror the
-registry at scrape time.
+registry at scrape time; `triptych_frontend_hop_phase_seconds{phase}` splits a hop (connect,
+headers, first event) and `triptych_frontend_worker_connections_opened_total` counts new
+connections to workers (a persistent connection is reused, so it should stay flat).
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class RoutingMetrics:
         self.hop_seconds = Histogram("triptych_frontend_hop_seconds",
                                      "Wall time of one stage call (a hop) seen from the router",
                                      ["stages", "outcome"], registry=registry, buckets=_HOP_BUCKETS)
+        self.hop_phase_seconds = Histogram(
+            "triptych_frontend_hop_phase_seconds",
+            "Parts of a hop seen from the router: connect (a new connection to the worker; reused "
+            "ones skip it), headers (POST to response headers), first_event (POST to the first event)",
+            ["phase"], registry=registry,
+            buckets=(1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5))
+        self.connections_opened = Counter(
+            "triptych_frontend_worker_connections_opened",
+            "TCP connections the router opened to workers (persistent ones are reused: this stays "
+            "near the number of workers)", registry=registry)
         if registry is not None:
             registry.register(_InstanceGauges(registry_view))
 

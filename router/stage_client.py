@@ -20,6 +20,7 @@ import httpx
 from pydantic import ValidationError
 
 from triptych.router.backend import BackendError
+from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.routing_metrics import RoutingMetrics
 from triptych.stage_protocol import (
@@ -64,18 +65,28 @@ class StageClient:
         self.client = client
         self.metrics = metrics
 
-    async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float) -> AsyncIterator[StageEvent]:
+    async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float,
+                  waits: WaitClock | None = None) -> AsyncIterator[StageEvent]:
         """POST /internal/run and yield its events (never an `error` one: those raise).
-        `read_timeout_s` bounds each silence on the stream."""
+        `read_timeout_s` bounds each silence on the stream. `waits` counts the time spent
+        waiting on the worker (not the time the caller spends between events)."""
         timeout = httpx.Timeout(connect=5.0, read=read_timeout_s, write=30.0, pool=5.0)
         inst.inflight += 1
-        started = time.monotonic()
         label = "".join(s.value[0].upper() for s in sreq.stages)
         outcome = "error"
+        body = sreq.model_dump_json()
+        waits = waits or WaitClock()
+        waiting = False
+        first = True
+        trace = _HopTrace(self.metrics)
+        started = time.monotonic()
         try:
-            async with self.client.stream("POST", f"{inst.url}/internal/run", content=sreq.model_dump_json(),
+            waits.begin()
+            waiting = True
+            async with self.client.stream("POST", f"{inst.url}/internal/run", content=body,
                                           headers={"content-type": "application/json"},
-                                          timeout=timeout) as resp:
+                                          timeout=timeout, extensions={"trace": trace}) as resp:
+                self.metrics.hop_phase_seconds.labels("headers").observe(time.monotonic() - started)
                 if resp.status_code >= 400:
                     body = (await resp.aread()).decode(errors="replace")
                     if resp.status_code in (401, 403):  # our token, not the client's request
@@ -87,10 +98,17 @@ class StageClient:
                                        status=503 if resp.status_code in (429, 503) else 502)
                 async for line in resp.aiter_lines():
                     if line.strip():
+                        waits.end()
+                        waiting = False
+                        if first:
+                            self.metrics.hop_phase_seconds.labels("first_event").observe(time.monotonic() - started)
+                            first = False
                         event = _checked(inst, line)
                         # The caller may stop reading at a terminal event: the hop succeeded.
                         outcome = "ok" if _terminal(event) else outcome
                         yield event
+                        waits.begin()
+                        waiting = True
             outcome = "ok"
         except StageFailure as failure:
             outcome = "error"
@@ -110,6 +128,8 @@ class StageClient:
             raise StageFailure(inst, f"{inst.url} failed: {type(exc).__name__}: {exc}",
                                stage=sreq.stages[0]) from exc
         finally:
+            if waiting:
+                waits.end()
             inst.inflight -= 1
             self.metrics.hop_seconds.labels(label, outcome).observe(time.monotonic() - started)
 
@@ -124,6 +144,22 @@ class StageClient:
 
         ids = list(request_ids)
         await asyncio.shield(asyncio.gather(*(one(u, i) for u in urls for i in ids)))
+
+
+class _HopTrace:
+    """httpx's trace hook for one hop: times a new connection's set-up and counts it (a
+    reused persistent connection sends no connect events)."""
+
+    def __init__(self, metrics: RoutingMetrics) -> None:
+        self.metrics = metrics
+        self.connect_started = 0.0
+
+    async def __call__(self, name: str, info: dict[str, object]) -> None:
+        if name == "connection.connect_tcp.started":
+            self.connect_started = time.monotonic()
+        elif name == "connection.connect_tcp.complete":
+            self.metrics.connections_opened.inc()
+            self.metrics.hop_phase_seconds.labels("connect").observe(time.monotonic() - self.connect_started)
 
 
 def _checked(inst: Instance, line: str) -> StageEvent:

@@ -4,7 +4,7 @@ and offers around it) is stage_run.py, statuses come from errors.py.
 
 Endpoints: `POST /internal/run` runs a contiguous run of a request's stages and streams
 NDJSON events back to the router; `POST /internal/abort/{id}` (both need the internal
-token); `/admin/role`, `/admin/stats` (the admin token; auth.py); `/health`, `/ready`,
+token); `/admin/role`, `/admin/stats`, `/admin/timings` (the admin token; auth.py); `/health`, `/ready`,
 `/live`, `/metrics` (open, and free of secrets: no agent metadata, handles or leases).
 """
 
@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
 from triptych.stage_protocol import WORKER_KEEPALIVE_TIMEOUT_S, RoleSwitch, StageRequest
+from triptych.timings import TIMINGS, TimingsPage
 from triptych.topology import UNASSIGNED, InstanceType
 from triptych.worker import choices
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
@@ -97,6 +98,11 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     @app.get("/admin/stats")
     async def admin_stats() -> dict[str, Any]:
         return inst.stats()
+
+    @app.get("/admin/timings")
+    async def admin_timings(since: int = 0) -> TimingsPage:
+        # Exact recent migration timings of this process (triptych/timings.py; bench serve).
+        return TIMINGS.page(since)
 
     @app.post("/admin/role")
     async def admin_role(body: RoleSwitch) -> JSONResponse:

@@ -69,7 +69,8 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
     try:
         if sreq.kv_source is not None:
             src = sreq.kv_source
-            block_ids = await migration.pull_kv(src)
+            # The prompt lets the pull skip blocks this instance's prefix cache already holds.
+            block_ids = await migration.pull_kv(src, sreq.prompt_token_ids, sreq.mm_items)
             prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token,
                                     generated=list(src.generated))
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,

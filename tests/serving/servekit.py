@@ -127,19 +127,34 @@ def stats(dep: LocalDeployment) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _text_config(model_dir: Path) -> dict[str, Any]:
+    config = json.loads((model_dir / "config.json").read_text())
+    return config.get("text_config", config)
+
+
+def kv_block_nbytes(model_dir: Path, block_size: int) -> int:
+    """Bytes of one fp32 KV block of the checkpoint's language model."""
+    text = _text_config(model_dir)
+    heads = text["num_attention_heads"]
+    kv_heads, head_dim = text.get("num_key_value_heads", heads), text.get("head_dim") or text["hidden_size"] // heads
+    return text["num_hidden_layers"] * 2 * block_size * kv_heads * head_dim * 4
+
+
+def metric_in(text: str, name: str) -> float:
+    """Sum of an unlabelled (or any-labelled) sample `name` in a /metrics text."""
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
 def expected_transfer_bytes(model_dir: Path, cases: list[Case], worker_stats: dict[str, dict[str, Any]],
                             ) -> tuple[int, int]:
     """(MM bytes, KV bytes) that E->P and P->D pulls must have moved for these requests:
     blocks moved times the block size, from the checkpoint's shapes and the caches' layout."""
-    config = json.loads((model_dir / "config.json").read_text())
-    text = config.get("text_config", config)
-    hidden, layers = text["hidden_size"], text["num_hidden_layers"]
-    heads, kv_heads = text["num_attention_heads"], text.get("num_key_value_heads", text["num_attention_heads"])
-    head_dim = text.get("head_dim") or hidden // heads
+    hidden = _text_config(model_dir)["hidden_size"]
     any_kv = next(s["kv_cache"] for s in worker_stats.values() if "kv_cache" in s)
     any_mm = next(s["mm_cache"] for s in worker_stats.values() if "mm_cache" in s)
     block_size, rows = any_kv["block_size"], any_mm["rows_per_block"]
-    kv_block = layers * 2 * block_size * kv_heads * head_dim * 4
+    kv_block = kv_block_nbytes(model_dir, block_size)
     mm_block = rows * hidden * 4
     proc = MultimodalProcessor.from_pretrained(model_dir)
     mm_bytes = kv_bytes = 0

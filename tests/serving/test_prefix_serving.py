@@ -74,3 +74,46 @@ def test_a_burst_spills_over_to_the_other_instance_when_the_holder_is_loaded(two
     hits = {n: after[n]["prefix_cache_hits"] - before[n]["prefix_cache_hits"] for n in after}
     assert all(v > 0 for v in hits.values()), hits  # and there too the prompt was then reused
     servekit.assert_no_leaks(servekit.wait_idle(dep))
+
+
+# --- a decode instance skips the KV blocks it already holds ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def ep_d(tmp_path_factory: pytest.TempPathFactory):
+    model = tiny_dir("qwen2-vl")
+    with servekit.start(model, "1EP1D", tmp_path_factory.mktemp("prefix-pd")) as dep:
+        yield model, dep
+
+
+def test_decode_pulls_only_the_blocks_its_prefix_cache_lacks(ep_d) -> None:
+    from triptych.prefix_hash import block_hashes
+    from triptych.processor import MultimodalProcessor
+
+    model, dep = ep_d
+    d = servekit.worker(dep, "D")
+    block_size = servekit.stats(dep)[d.name]["kv_cache"]["block_size"]
+    kv_block = servekit.kv_block_nbytes(model, block_size)
+    proc = MultimodalProcessor.from_pretrained(model)
+    questions = ["what is rain", "what is rain", "name a bird"]  # a repeat, then the same system prompt
+    held_hashes: set[bytes] = set()  # what the D's prefix cache holds (nothing is evicted here)
+    reused_before = servekit.metric_sum(d.url, "triptych_worker_kv_blocks_reused_total")
+    expected_reused = 0
+    with httpx.Client(timeout=120) as client:
+        for q in questions:
+            ids = proc.process(_messages(q), []).token_ids
+            chain = block_hashes(ids, [], block_size)
+            held = next((i for i, h in enumerate(chain) if h not in held_hashes), len(chain))
+            before = servekit.metric_sum(d.url, "triptych_worker_transfer_bytes_total", region="kv")
+            r = client.post(f"{dep.router_url}/v1/chat/completions", json=_body(model, q))
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == hf_generate(model, _messages(q), [], 6), q
+            pulled = servekit.metric_sum(d.url, "triptych_worker_transfer_bytes_total", region="kv") - before
+            # Exactly the blocks the D lacked: all of them the first time, then past the shared prefix.
+            assert pulled == (-(-len(ids) // block_size) - held) * kv_block, (q, len(ids), held)
+            expected_reused += held
+            held_hashes.update(chain)
+    assert expected_reused >= len(SYSTEM) // 8 // block_size  # the repeats did skip blocks (a real test)
+    reused = servekit.metric_sum(d.url, "triptych_worker_kv_blocks_reused_total") - reused_before
+    assert reused == expected_reused
+    servekit.assert_no_leaks(servekit.wait_idle(dep))

@@ -381,8 +381,8 @@ def test_the_engine_is_a_block_store() -> None:
     from triptych.worker.migration import BlockStore
 
     members = [n for n in vars(BlockStore) if not n.startswith("_")]
-    assert sorted(members) == ["acquire_mm", "commit_mm", "free_kv", "release", "release_mm", "reserve_kv",
-                               "reserve_mm"]
+    assert sorted(members) == ["acquire_mm", "cache_kv", "commit_mm", "free_kv", "kv_block_hashes", "release",
+                               "release_mm", "reserve_kv", "reserve_kv_cached", "reserve_mm"]
     for name in members:
         want = list(inspect.signature(getattr(BlockStore, name)).parameters)
         assert list(inspect.signature(getattr(Engine, name)).parameters) == want, name

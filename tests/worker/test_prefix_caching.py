@@ -278,3 +278,37 @@ def test_a_parked_handoff_keeps_its_shared_blocks_under_eviction_pressure(qwen2_
     p.step()
     _assert_no_leak(p)
     _assert_no_leak(d)
+
+
+def test_a_hand_over_reserve_takes_the_cached_prefix_by_reference(qwen2_vl_dir: Path) -> None:
+    """The decode side of a hand-over (`reserve_kv_cached`): the leading blocks the prefix
+    cache holds come back first, referenced (not evictable); the rest are fresh. Named
+    with `cache_kv`, pulled blocks are found by the next hand-over; no block leaks."""
+    engine = _engine(qwen2_vl_dir, block_size=16, num_kv_blocks=64)
+    first = _run(engine, qwen2_vl_dir, [(QUESTIONS[0], ())], "a")[0]
+    ids, bs = first.prompt_token_ids, engine.kv.block_size
+    hashes = engine.kv_block_hashes(ids, [], len(ids))
+    assert hashes == block_hashes(ids, [], bs) and len(hashes) == len(ids) // bs
+    cached = engine.kv.cached_prefix(hashes)
+    assert len(cached) == len(hashes)  # the prefill named every full block
+    blocks, held = engine.reserve_kv_cached(len(ids), hashes)
+    assert held == len(hashes) and blocks[:held] == cached and len(blocks) == -(-len(ids) // bs)
+    assert engine.stats()["kv_cache"]["used"] == len(blocks)  # referenced: none can be evicted now
+    engine.free_kv(blocks)
+    _assert_no_leak(engine)
+
+    # Another prompt: nothing cached; once its blocks are named, a second reserve holds them.
+    other = to_request(processor(qwen2_vl_dir), _case("x", system="Something else entirely. " * 8), "o")
+    chain = engine.kv_block_hashes(other.prompt_token_ids, [], len(other.prompt_token_ids))
+    blocks, held = engine.reserve_kv_cached(len(other.prompt_token_ids), chain)
+    assert held == 0
+    engine.cache_kv(blocks, chain)
+    engine.free_kv(blocks)
+    again, held = engine.reserve_kv_cached(len(other.prompt_token_ids), chain)
+    assert held == len(chain) and again[:held] == blocks[:held]
+    engine.free_kv(again)
+
+    # No room for the rest: the references taken on the cached prefix are dropped again.
+    with pytest.raises(OutOfBlocksError):
+        engine.reserve_kv_cached(10_000 * bs, hashes)
+    _assert_no_leak(engine)

@@ -28,7 +28,7 @@ class FakeMigration:
     async def pull_embeddings(self, sources: list[MMSource]) -> list[Any]:
         return [f"entry-{s.content_hash}" for s in sources]
 
-    async def pull_kv(self, src: KVSource) -> list[int]:
+    async def pull_kv(self, src: KVSource, token_ids: Any = (), mm_items: Any = ()) -> list[int]:
         if self.kv_fails:
             raise PullFailedError("pulling pd blocks failed: peer gone")
         return [3, 1]

@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -71,6 +71,7 @@ class Endpoints:
     router: str
     workers: list[str]
     headers: dict[str, str]
+    admin_headers: dict[str, str] = field(default_factory=dict)  # for exact timings (exact_timings.py)
 
     @property
     def all(self) -> list[str]:

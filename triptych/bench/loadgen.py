@@ -15,20 +15,24 @@ import httpx
 
 from triptych.bench.client import Endpoints, discover, scrape, send_request
 from triptych.bench.errors import BenchError
+from triptych.bench.exact_timings import timing_figures, timing_marks, timings_since
 from triptych.bench.prom_text import Sample, metric_deltas, migration_figures
 from triptych.bench.report import progress, rate_line
 from triptych.bench.stats import SLO, RequestResult, goodput, next_sweep_rate, summarize
 from triptych.bench.trace import calibrate, timed, trace_bodies
 from triptych.bench.workload import Workload, build_bodies, poisson_arrivals
 from triptych.operator.planner.workload import TraceRequest
+from triptych.timings import TimingRecord
 
 
 async def run_rate(client: httpx.AsyncClient, ends: Endpoints, bodies: Sequence[bytes], rate: float,
                    seed: int, slo: SLO, timeout_s: float, arrivals: Sequence[float] | None = None,
                    ) -> tuple[dict[str, Any], list[Sample], list[Sample]]:
     """Send `bodies` at Poisson arrivals of `rate`/s (or at `arrivals`, s from the start:
-    a trace's); summary plus the metric scrapes taken before and after."""
+    a trace's); summary plus the metric scrapes taken before and after. The report keeps
+    the exact timing records of the rate under `_timings` (exact_timings.py)."""
     arrivals = poisson_arrivals(rate, len(bodies), seed) if arrivals is None else arrivals
+    marks = await timing_marks(client, ends.all, ends.admin_headers)
     before = await scrape(client, ends.all)
     url = f"{ends.router}/v1/chat/completions"
     t0 = time.perf_counter()
@@ -40,9 +44,21 @@ async def run_rate(client: httpx.AsyncClient, ends: Endpoints, bodies: Sequence[
     results = await asyncio.gather(*(one(at, b) for at, b in zip(arrivals, bodies, strict=True)))
     duration = time.perf_counter() - t0
     after = await scrape(client, ends.all)
-    report = {"rate": rate, **summarize(results, slo, duration), **migration_figures(metric_deltas(before, after))}
+    records = await timings_since(client, marks, ends.admin_headers) if marks else None
+    report = {"rate": rate, **summarize(results, slo, duration),
+              **_migration_report(metric_deltas(before, after), records)}
     report["_results"] = results
+    report["_timings"] = records
     return report, before, after
+
+
+def _migration_report(deltas: Sequence[Sample], records: list[TimingRecord] | None) -> dict[str, Any]:
+    """Migration and overhead figures: exact from the timing rings when they could be read,
+    else the histogram estimates of /metrics (and no router overhead)."""
+    figures = migration_figures(deltas)
+    if records is None:
+        return {**figures, "timings_source": "histogram", "router_overhead_p50_s": None}
+    return {**figures, **timing_figures(records)}
 
 
 @dataclass
@@ -90,13 +106,16 @@ async def _warm_up(client: httpx.AsyncClient, ends: Endpoints, cfg: RunConfig, m
 
 
 async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
-                    headers: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run every rate of the plan against the router at `url`; the full report."""
+                    headers: dict[str, str] | None = None,
+                    admin_headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run every rate of the plan against the router at `url`; the full report. With
+    `admin_headers` (the admin token) the migration and overhead figures are exact."""
     cfg.check()
     url = url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits, trust_env=False) as client:
         model, ends = await discover(client, url, worker_urls, headers or {})
+        ends.admin_headers = dict(admin_headers or {})
         if not ends.workers:
             progress("warning: no worker URLs (router /health lists none; pass --worker-urls): "
                  "migration figures will be empty")
@@ -108,6 +127,7 @@ async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
         plan = cfg.rate_plan()
         reports: list[dict[str, Any]] = []
         all_results: list[RequestResult] = []
+        all_timings: list[TimingRecord] | None = []
         first_before: list[Sample] | None = None
         last_after: list[Sample] = []
         while (rate := plan([(r["rate"], r["slo_attainment"]) for r in reports])) is not None:
@@ -125,6 +145,8 @@ async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
                                                         cfg.slo, cfg.timeout_s, arrivals)
             first_before = before if first_before is None else first_before
             all_results.extend(report.pop("_results"))
+            timings = report.pop("_timings")
+            all_timings = None if timings is None or all_timings is None else all_timings + timings
             reports.append(report)
             progress("  " + rate_line(report))
     duration = sum(r["duration_s"] for r in reports)
@@ -140,7 +162,7 @@ async def run_bench(url: str, cfg: RunConfig, worker_urls: Sequence[str] = (),
         "goodput_is_lower_bound": gp is not None and not any(r > gp for r, _ in points),
         "attainment_by_rate": {f"{r:g}": a for r, a in points},
         **pooled,
-        **migration_figures(metric_deltas(first_before or [], last_after)),
+        **_migration_report(metric_deltas(first_before or [], last_after), all_timings if reports else None),
         "rates": reports,
     }
 

@@ -81,6 +81,8 @@ def counter_sum(samples: Iterable[Sample], name: str, by: Sequence[str] = ()) ->
 MIGRATION = "triptych_worker_migration_seconds"
 TRANSFER_BYTES = "triptych_worker_transfer_bytes_total"
 ROUTER_TTFT = "triptych_frontend_time_to_first_token_seconds"
+ROUTER_HOPS = "triptych_frontend_hop_seconds_count"
+ROUTER_CONNECTIONS = "triptych_frontend_worker_connections_opened_total"
 
 
 def migration_figures(deltas: Sequence[Sample]) -> dict[str, Any]:
@@ -100,4 +102,7 @@ def migration_figures(deltas: Sequence[Sample]) -> dict[str, Any]:
     out["transfer_bytes_total"] = int(sum(out["transfer_bytes"].values()))
     ttft = histogram_buckets(deltas, ROUTER_TTFT)
     out["router_ttft_p50_s"] = histogram_quantile(0.5, ttft) if ttft and ttft[-1][1] else None
+    # Persistent router->worker connections: far fewer opened than hops run.
+    out["router_hops"] = int(sum(counter_sum(deltas, ROUTER_HOPS).values()))
+    out["router_worker_connections_opened"] = int(sum(counter_sum(deltas, ROUTER_CONNECTIONS).values()))
     return out

@@ -70,7 +70,8 @@ def format_report(rep: dict[str, Any]) -> str:
                  f"{fmt(rep['ep_migration_p95_s'], 1e3, 2)} ms ({rep['ep_migrations']}), "
                  f"PD migration p50/p95 {fmt(rep['pd_migration_p50_s'], 1e3, 2)}/"
                  f"{fmt(rep['pd_migration_p95_s'], 1e3, 2)} ms ({rep['pd_migrations']}), "
-                 f"transports {rep['migration_transports'] or '-'}")
+                 f"transports {rep['migration_transports'] or '-'} ({rep.get('timings_source', 'histogram')}); "
+                 f"router overhead p50 {fmt(rep.get('router_overhead_p50_s'), 1e3, 2)} ms")
     for key, nbytes in rep["transfer_bytes"].items():
         lines.append(f"  moved {nbytes / 2**20:.2f} MiB ({key})")
     if "nixl_read_gib_s" in rep:
@@ -115,5 +116,6 @@ TOPOLOGY_COLUMNS = (
     ("ttft50", "ttft_p50_s", 1, 3), ("ttft99", "ttft_p99_s", 1, 3), ("tpot50ms", "tpot_p50_s", 1e3, 1),
     ("tpot99ms", "tpot_p99_s", 1e3, 1), ("e2e50", "e2e_p50_s", 1, 3), ("req/s", "throughput_rps", 1, 2),
     ("ep95ms", "ep_migration_p95_s", 1e3, 2), ("pd95ms", "pd_migration_p95_s", 1e3, 2),
-    ("MiB", "transfer_bytes_total", 2**-20, 2), ("idleCPU", "idle_cpu_cores", 1, 2),
+    ("rtr50ms", "router_overhead_p50_s", 1e3, 2), ("MiB", "transfer_bytes_total", 2**-20, 2),
+    ("idleCPU", "idle_cpu_cores", 1, 2),
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from triptych.bench.stats import SLO
 from triptych.bench.topologies import run_topologies
 from triptych.bench.trace import load_trace, trace_rate
 from triptych.bench.workload import Workload
+from triptych.worker.auth import ADMIN_TOKEN_ENV
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -75,7 +77,10 @@ def cli_main(args: argparse.Namespace) -> int:
                         "uncapped. A quota is a ceiling: on a busy machine an instance may get less.")
             text = table(rows, columns, label=("topology", "topology"))
         else:
-            result = asyncio.run(run_bench(args.url, cfg, getattr(args, "worker_urls", None) or [], headers))
+            # The admin token (TRIPTYCH_ADMIN_TOKEN) lets the report read exact timings.
+            admin = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
+            result = asyncio.run(run_bench(args.url, cfg, getattr(args, "worker_urls", None) or [], headers,
+                                           {"Authorization": f"Bearer {admin}"} if admin else None))
             series = {"attainment": [(r["rate"], r["slo_attainment"]) for r in result["rates"]]}
             text = ""
         if getattr(args, "measure_nixl", False):

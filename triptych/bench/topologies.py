@@ -61,7 +61,8 @@ def run_topologies(specs: Sequence[str], model: str, cfg: RunConfig, transfer_re
             idle = deployment_idle_cpu(dep, idle_s, IDLE_SETTLE_S) if idle_s else None
             if idle:
                 progress(f"idle CPU: {idle['idle_cpu_cores']:.3f} cores (most any one process used over {idle_s:g} s)")
-            out[spec] = asyncio.run(run_bench(dep.router_url, cfg, [w.url for w in dep.workers]))
+            out[spec] = asyncio.run(run_bench(dep.router_url, cfg, [w.url for w in dep.workers],
+                                              admin_headers=dep.admin_headers))
             if cpus[spec] is not None:
                 capped = dep.quota is not None
                 out[spec].update(instance_cpus=cpus[spec] if capped else None, cpu_quota=quotas,

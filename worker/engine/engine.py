@@ -22,12 +22,13 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from triptych.prefix_hash import BlockHash, PlaceholderRun, block_hashes
 from triptych.sampling_params import SamplingParams
 from triptych.topology import InstanceType, Stage
 from triptych.worker.engine.admission import Admission
@@ -195,6 +196,40 @@ class Engine:
             raise StageNotServedError(f"this {self.role.value} instance holds no KV cache")
         with self._lock:
             return self.kv.allocate(self.kv.blocks_for(num_tokens))
+
+    def kv_block_hashes(self, token_ids: Sequence[int], mm_items: Sequence[PlaceholderRun],
+                        num_tokens: int) -> list[BlockHash]:
+        """The prefix-cache names of the full blocks of `token_ids[:num_tokens]` (none
+        without a prefix cache)."""
+        if self.kv is None or self.kv.prefix is None:
+            return []
+        # In offset order, as a Request orders them: the chain must match its own prefills'.
+        return block_hashes(token_ids, sorted(mm_items, key=lambda it: it.offset), self.kv.block_size, num_tokens)
+
+    def reserve_kv_cached(self, num_tokens: int, hashes: list[BlockHash]) -> tuple[list[int], int]:
+        """Like `reserve_kv`, but the leading blocks whose `hashes` this instance's prefix
+        cache holds are taken by reference instead of fresh: (block ids, how many of the
+        first ones already hold their KV — the rest must be written)."""
+        if self.kv is None:
+            raise StageNotServedError(f"this {self.role.value} instance holds no KV cache")
+        with self._lock:
+            held = self.kv.cached_prefix(hashes)
+            self.kv.touch(held)
+            try:
+                fresh = self.kv.allocate(self.kv.blocks_for(num_tokens) - len(held))
+            except OutOfBlocksError:
+                self.kv.free(held)
+                raise
+        return held + fresh, len(held)
+
+    def cache_kv(self, block_ids: list[int], hashes: list[BlockHash]) -> None:
+        """Name written full blocks (`hashes[i]` for `block_ids[i]`) in the prefix cache, so
+        a later hand-over of the same prefix finds them here."""
+        if self.kv is None or self.kv.prefix is None:
+            return
+        with self._lock:
+            for block, block_hash in zip(block_ids, hashes, strict=False):
+                self.kv.register(block, block_hash)
 
     def fork_kv(self, block_ids: list[int], num_tokens: int) -> list[int]:
         """New blocks holding a copy of the first `num_tokens` tokens' KV in `block_ids` (an

@@ -18,6 +18,7 @@ lock, on the calling thread (for `run_lease_pump`: the event loop's thread).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import secrets
@@ -159,47 +160,86 @@ def pump_once(transfer: Notifications, table: LeaseTable) -> int:
     return released + len(table.expire())
 
 
-async def run_lease_pump(transfer: Notifications, table: LeaseTable, interval_s: float = 0.005,
-                         max_interval_s: float = 0.02) -> None:
+async def run_lease_pump(transfer: Notifications, table: LeaseTable, interval_s: float = 2.5e-4,
+                         max_interval_s: float = 0.01, fast_s: float = 0.25, expiry_check_s: float = 0.05) -> None:
     """Release leases until cancelled (start with asyncio.create_task).
 
-    While no lease is outstanding the pump sleeps on an event that `offer` sets: an idle
-    instance does no work at all. Late confirmations of leases already gone wait in the
-    transport's queue and are drained (and ignored) on the next poll. While leases are
-    outstanding, confirmations must be polled (the transports have no wake-up); the
-    interval starts at `interval_s` after each offer or release, so a hand-off's blocks
-    are held no longer than needed, and doubles up to `max_interval_s` while nothing
-    happens, which bounds the cost of a lease waiting on a slow target or its TTL."""
+    A NIXL READ over UCX's tcp/cma transports completes only while the *source* makes
+    progress, and this agent runs no progress thread (it spins: a fifth of a core per idle
+    instance). So while a lease is outstanding a progress thread polls the transport —
+    every `interval_s` for `fast_s` after each offer or confirmation (a target reads then;
+    each poll costs microseconds), backing off to `max_interval_s` for a lease left waiting
+    on a slow target or its TTL — and hands each confirmation to the event loop at once:
+    leases are released on the event that confirms them, not on the next tick of a timer.
+    While no lease is outstanding neither the thread nor the loop does any work (late
+    confirmations of leases already gone wait in the transport's queue and are drained,
+    and ignored, on the next poll). Expiry is checked every `expiry_check_s` while leases
+    are outstanding (TTLs are seconds). Releases run on the event loop's thread."""
     if not 0 < interval_s <= max_interval_s:
         raise ValueError(f"need 0 < interval_s <= max_interval_s, got {interval_s}, {max_interval_s}")
     loop = asyncio.get_running_loop()
-    offered = asyncio.Event()
+    woken = asyncio.Event()  # confirmations arrived, or an offer was made
+    offered = threading.Event()  # wakes the progress thread
+    stop = threading.Event()
+    inbox: list[tuple[str, str]] = []
+    inbox_lock = threading.Lock()
 
-    def wake() -> None:  # any thread may offer
+    def wake_loop() -> None:
         try:
-            loop.call_soon_threadsafe(offered.set)
+            loop.call_soon_threadsafe(woken.set)
         except RuntimeError:  # the loop is closed: the pump is gone with it
             pass
 
-    unsubscribe = table.subscribe(wake)
-    delay = interval_s
+    def on_offer() -> None:  # any thread may offer
+        offered.set()
+        wake_loop()
+
+    def drive() -> None:
+        last_activity, delay = time.monotonic(), interval_s
+        while not stop.is_set():
+            if not table.outstanding():
+                offered.wait()
+                offered.clear()
+                last_activity, delay = time.monotonic(), interval_s
+                continue
+            try:
+                notes = transfer.poll_notifications()
+            except Exception:
+                logger.exception("lease pump: polling notifications failed")
+                notes = []
+            now = time.monotonic()
+            if notes:
+                with inbox_lock:
+                    inbox.extend(notes)
+                wake_loop()
+                last_activity = now
+            if offered.is_set():
+                offered.clear()
+                last_activity = now
+            delay = interval_s if now - last_activity < fast_s else min(delay * 2, max_interval_s)
+            offered.wait(delay)
+
+    unsubscribe = table.subscribe(on_offer)
+    thread = threading.Thread(target=drive, name="lease-pump", daemon=True)
+    thread.start()
     try:
         while True:
-            if not table.outstanding():
-                offered.clear()
-                if not table.outstanding():  # an offer between the check and clear() set it again
-                    await offered.wait()
-                delay = interval_s
+            if table.outstanding():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), expiry_check_s)
+            else:
+                await woken.wait()
+            woken.clear()
+            with inbox_lock:
+                notes, inbox[:] = list(inbox), []
             try:
-                released = pump_once(transfer, table)
+                for lease_id, secret in notes:
+                    table.confirm(lease_id, secret)
+                table.expire()
             except Exception:
                 logger.exception("lease pump iteration failed")
-                released = 0
-            if released or offered.is_set():
-                offered.clear()
-                delay = interval_s
-            else:
-                delay = min(delay * 2, max_interval_s)
-            await asyncio.sleep(delay)
     finally:
         unsubscribe()
+        stop.set()
+        offered.set()
+        thread.join(timeout=1.0)

@@ -16,13 +16,15 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 from pydantic import ValidationError
 
+from triptych.prefix_hash import BlockHash, PlaceholderRun
 from triptych.stage_protocol import EncodedItem, KVSource, MMSource
+from triptych.timings import TIMINGS, TimingRing
 from triptych.worker.engine.kv_cache import OutOfBlocksError
 from triptych.worker.migration.errors import BadHandleError, NoFreeBlocksError, pull_errors
 from triptych.worker.migration.leases import Lease, LeaseTable, run_lease_pump
@@ -34,6 +36,16 @@ MIGRATION_SECONDS: Histogram = registry_metric(
     Histogram, "triptych_worker_migration_seconds",
     "Time to pull a request's blocks from the previous stage's instance (EP: embeddings, PD: KV)",
     ["kind", "transport"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
+MIGRATION_PHASE_SECONDS: Histogram = registry_metric(
+    Histogram, "triptych_worker_migration_phase_seconds",
+    "Parts of a pull on the target: reserve (local blocks), dispatch (to the transfer thread), prepare "
+    "(handle checks, peer metadata), read (the READ), confirm (the lease notification)",
+    ["kind", "phase"], buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1))
+
+
+KV_BLOCKS_REUSED: Counter = registry_metric(
+    Counter, "triptych_worker_kv_blocks_reused",
+    "Prefilled KV blocks a decode instance took from its own prefix cache instead of pulling them", [])
 
 
 class MMBlocks(Protocol):
@@ -46,6 +58,10 @@ class BlockStore(Protocol):
     """The engine's block API, as migration uses it (`Engine` satisfies it)."""
 
     def reserve_kv(self, num_tokens: int) -> list[int]: ...
+    def kv_block_hashes(self, token_ids: Sequence[int], mm_items: Sequence[PlaceholderRun],
+                        num_tokens: int) -> list[BlockHash]: ...
+    def reserve_kv_cached(self, num_tokens: int, hashes: list[BlockHash]) -> tuple[list[int], int]: ...
+    def cache_kv(self, block_ids: list[int], hashes: list[BlockHash]) -> None: ...
     def free_kv(self, block_ids: list[int]) -> None: ...
     def acquire_mm(self, content_hash: str) -> MMBlocks | None: ...
     def reserve_mm(self, content_hash: str, num_rows: int) -> MMBlocks: ...
@@ -64,7 +80,7 @@ class BlockTransfer(Protocol):
                margin_s: float = 0.0) -> BlockHandle: ...
     def revoke(self, lease_id: str) -> None: ...
     def pull(self, handle: BlockHandle | dict[str, Any], local_region: str, local_block_ids: list[int], *,
-             timeout_s: float, notify: bool = True) -> int: ...
+             timeout_s: float, notify: bool = True, phases: dict[str, float] | None = None) -> int: ...
     def poll_notifications(self) -> list[tuple[str, str]]: ...
 
 
@@ -73,7 +89,8 @@ class MigrationService:
 
     def __init__(self, store: BlockStore, transfer: BlockTransfer, *, lease_seconds: float,
                  pull_timeout_s: float, bytes_pulled: dict[str, int] | None = None,
-                 clock: Callable[[], float] = time.monotonic, lease_margin_s: float = 1.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, lease_margin_s: float = 1.0,
+                 timings: TimingRing = TIMINGS) -> None:
         # Keep pull_timeout_s below the sources' lease TTL: a source must not free (and reuse)
         # blocks while a target is still reading them (the CLI derives one from the other).
         if pull_timeout_s <= 0 or lease_seconds <= 0:
@@ -86,6 +103,7 @@ class MigrationService:
         # Every release (confirm, expiry, cancel) also ends the lease's read grant.
         self.leases = LeaseTable(clock, on_any_release=lambda lease: transfer.revoke(lease.lease_id))
         self.bytes_pulled = {} if bytes_pulled is None else bytes_pulled  # transport -> bytes
+        self.timings = timings  # each pull's phases, exact (bench serve reads them)
         self._pump: asyncio.Task[None] | None = None
 
     @property
@@ -172,31 +190,65 @@ class MigrationService:
         for entry in entries:
             self.store.release_mm(entry)
 
-    async def pull_kv(self, src: KVSource) -> list[int]:
+    async def pull_kv(self, src: KVSource, token_ids: Sequence[int] = (),
+                      mm_items: Sequence[PlaceholderRun] = ()) -> list[int]:
         """Reserve KV blocks for a prefilled request and pull them; returns the block ids
-        (the request owns them from here). Freed again if the pull fails."""
+        (the request owns them from here). Freed again if the pull fails.
+
+        With the request's prompt (`token_ids`, `mm_items`) the leading full blocks this
+        instance's prefix cache already holds (the same hash chain: same tokens, same
+        images) are taken from it and not pulled: only the rest of the blocks cross the
+        wire (the lease is confirmed all the same). The pulled full blocks join the prefix
+        cache, so the next hand-over of the same prefix skips them too."""
+        started = time.monotonic()
         handle = _parse(src.handle)
+        prompt_tokens = min(src.num_tokens, len(token_ids))
+        hashes = self.store.kv_block_hashes(token_ids, mm_items, prompt_tokens) if token_ids else []
+        hashes = hashes[:len(handle.block_ids)]
         try:
-            block_ids = self.store.reserve_kv(src.num_tokens)
+            block_ids, held = (self.store.reserve_kv_cached(src.num_tokens, hashes) if hashes
+                               else (self.store.reserve_kv(src.num_tokens), 0))
         except OutOfBlocksError as exc:
             raise NoFreeBlocksError(f"no room for {src.num_tokens} tokens of prefilled KV: {exc}") from exc
+        if held:
+            KV_BLOCKS_REUSED.inc(held)
         try:
-            await self._pull(handle, "kv", block_ids, "pd")
+            rest = handle.model_copy(update={"block_ids": handle.block_ids[held:]})
+            await self._pull(rest, "kv", block_ids[held:], "pd", started)
         except BaseException:
             self.store.free_kv(block_ids)
             raise
+        if hashes:
+            self.store.cache_kv(block_ids[held:len(hashes)], hashes[held:])
         return block_ids
 
     def discard_kv(self, block_ids: list[int]) -> None:
         """Free pulled KV blocks that no request took over (it was refused before the engine)."""
         self.store.free_kv(block_ids)
 
-    async def _pull(self, handle: BlockHandle, region: str, block_ids: list[int], kind: str) -> None:
-        started = time.monotonic()
+    async def _pull(self, handle: BlockHandle, region: str, block_ids: list[int], kind: str,
+                    started: float | None = None) -> None:
+        """Pull and confirm; `started` is when the caller began (before reserving blocks)."""
+        dispatched = time.monotonic()
+        started = dispatched if started is None else started
+        phases: dict[str, float] = {"reserve": dispatched - started}
+
+        def pull() -> int:
+            phases["dispatch"] = time.monotonic() - dispatched  # the wait for a transfer thread
+            nbytes = self.transfer.pull(handle, region, block_ids, timeout_s=self.pull_timeout_s, phases=phases)
+            done[0] = time.monotonic()
+            return nbytes
+
+        done = [0.0]
         with pull_errors(f"{kind} blocks"):
-            nbytes = await asyncio.to_thread(self.transfer.pull, handle, region, block_ids,
-                                             timeout_s=self.pull_timeout_s)
-        MIGRATION_SECONDS.labels(kind=kind, transport=self.transport).observe(time.monotonic() - started)
+            nbytes = await asyncio.to_thread(pull)
+        now = time.monotonic()
+        phases["resume"] = now - done[0]  # back on the event loop
+        seconds = now - started
+        MIGRATION_SECONDS.labels(kind=kind, transport=self.transport).observe(seconds)
+        for phase, value in phases.items():
+            MIGRATION_PHASE_SECONDS.labels(kind=kind, phase=phase).observe(value)
+        self.timings.record(kind, seconds, phases, nbytes)
         self.bytes_pulled[self.transport] = self.bytes_pulled.get(self.transport, 0) + nbytes
 
 

@@ -57,6 +57,7 @@ class TransferEngine:
         self.transport: str = self._backend.transport
         self._regions: dict[str, Region] = {}
         self._metadata_b64: str | None = None
+        self._peers: dict[str, tuple[str, bytes]] = {}  # agent name -> (base64, decoded) metadata
         log = logger.info if self.transport.startswith("nixl-") else logger.warning
         log("transfer engine %s uses transport %s", self.agent_name, self.transport)
 
@@ -116,29 +117,34 @@ class TransferEngine:
     # -- target side -------------------------------------------------------------
 
     def pull(self, handle: BlockHandle | dict[str, Any], local_region: str, local_block_ids: list[int], *,
-             timeout_s: float, notify: bool = True) -> int:
+             timeout_s: float, notify: bool = True, phases: dict[str, float] | None = None) -> int:
         """READ the handle's blocks into `local_block_ids` of `local_region` (any order, need
         not be contiguous), then confirm the lease to the source. Returns bytes moved.
 
         Raises `IncompatibleHandleError` before moving anything if the layouts differ,
         `PeerUnreachableError` for bad metadata or a dead peer, `TransferTimeoutError`
-        after `timeout_s` (the READ is cancelled), `TransferError` otherwise. Keep
+        after `timeout_s` (the READ is cancelled), `TransferError` otherwise. `phases`, if
+        given, gets the seconds of each part: `prepare` (handle checks, metadata),
+        `read` (the READ, a first connection to the peer included), `confirm`. Keep
         `timeout_s` below the source's lease TTL; the READ's deadline is also the handle's
         `expires_at`, and a handle with less than MIN_PULL_S left is refused
         (`LeaseExpiredError`) before anything is read: the source may free and reuse the
         blocks after it."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        phases = {} if phases is None else phases
+        t0 = time.monotonic()
         if isinstance(handle, dict):
             handle = BlockHandle.model_validate(handle)
         local = self._region(local_region)
         check_compatible(handle, local, local_block_ids, self.transport)
         if handle.agent_name == self.agent_name:
             raise IncompatibleHandleError(f"handle {handle.lease_id!r} is from this engine; nothing to transfer")
-        metadata = self._decode_metadata(handle)
+        metadata = self._peer_metadata(handle)
         labels = {"transport": self.transport, "direction": "pull", "region": local_region}
+        started = time.monotonic()
+        phases["prepare"] = started - t0
         if handle.block_ids:
-            started = time.monotonic()
             left = handle.expires_at - time.time()
             if left < MIN_PULL_S:
                 TRANSFER_FAILURES.labels(**labels, reason="expired").inc()
@@ -155,8 +161,11 @@ class TransferEngine:
                 raise
             TRANSFER_SECONDS.labels(**labels).observe(time.monotonic() - started)
             TRANSFER_BYTES.labels(**labels).inc(handle.nbytes)
+        read_done = time.monotonic()
+        phases["read"] = read_done - started
         if notify:
             self._confirm(handle, metadata)
+        phases["confirm"] = time.monotonic() - read_done
         return handle.nbytes
 
     def _confirm(self, handle: BlockHandle, metadata: bytes) -> None:
@@ -166,12 +175,18 @@ class TransferEngine:
             # The data is here; a source that cannot hear us frees on its lease TTL instead.
             logger.warning("lease %s: could not notify %s: %s", handle.lease_id, handle.agent_name, e)
 
-    @staticmethod
-    def _decode_metadata(handle: BlockHandle) -> bytes:
+    def _peer_metadata(self, handle: BlockHandle) -> bytes:
+        """The peer's metadata, decoded once per peer: every handle of one source carries
+        the same text, so later ones cost a string comparison, not a base64 decode."""
+        known = self._peers.get(handle.agent_name)
+        if known is not None and known[0] == handle.agent_metadata:
+            return known[1]
         try:
-            return base64.b64decode(handle.agent_metadata, validate=True)
+            metadata = base64.b64decode(handle.agent_metadata, validate=True)
         except ValueError as e:
             raise PeerUnreachableError(f"handle {handle.lease_id!r}: agent_metadata is not base64: {e}") from e
+        self._peers[handle.agent_name] = (handle.agent_metadata, metadata)
+        return metadata
 
     def _region(self, region: str) -> Region:
         try:
