@@ -20,6 +20,7 @@ class WorkerSettings(BaseModel):
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    parallel_vision: bool = True  # encodes on a side CUDA stream (engine/parallel_vision.py)
     num_mm_blocks: int | None = None
     transfer_require: Literal["any", "nixl"] = "any"
     lease_seconds: float = 30.0
@@ -79,6 +80,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "instance_id": args.instance_id or f"{args.role}-{args.port}", "device": args.device,
         "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
         "enable_prefix_caching": not getattr(args, "no_prefix_caching", False),
+        "parallel_vision": not getattr(args, "no_parallel_vision", False),
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
         "decode_threads": getattr(args, "decode_threads", 2),

@@ -47,6 +47,9 @@ class EngineConfig(BaseModel):
     # Automatic prefix caching (prefix_cache.py): full KV blocks are kept, named by a hash
     # chain over token ids and image content hashes, and shared by later prompts.
     enable_prefix_caching: bool = True
+    # Encodes on a side CUDA stream beside the language forward when a step has both
+    # (HydraInfer §4.2; parallel_vision.py). CUDA only: a CPU keeps the sequential path.
+    parallel_vision: bool = True
     # Tests: scramble the free lists so block tables are non-contiguous.
     shuffle_seed: int | None = None
 
