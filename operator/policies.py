@@ -36,6 +36,8 @@ def network_policy(owner: Owner, spec: MLLMDeploymentSpec, facts: ClusterFacts) 
     the API server (no service-account token). No peer selects every namespace: the
     operator's pods are allowed only from its own namespace, when that is known."""
     http = [{"port": names.PORT_NAME, "protocol": "TCP"}]
+    if any(p.colocated for p in spec.effective_pools()):  # shared-GPU pods' D workers
+        http.append({"port": names.DECODE_PORT_NAME, "protocol": "TCP"})
     workers = {"podSelector": {"matchLabels": workers_selector(owner)}}
     callers: list[Obj] = [{"podSelector": {"matchLabels": router_selector(owner)}}]
     if facts.operator_namespace:

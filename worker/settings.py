@@ -42,6 +42,7 @@ class WorkerSettings(BaseModel):
     max_model_len: int | None = None
     token_budget: int | None = None
     image_budget: int | None = None
+    encode_token_budget: int | None = None  # UnifiedServe Alg. 3 alpha (shared-GPU pools)
     ttft_slo_s: float | None = None  # budgets from the SLO by start-up profiling (profiler.py)
     tbt_slo_s: float | None = None
 
@@ -72,7 +73,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     """`triptych worker` flags over the serving config file (flags win)."""
     from_file = settings_from_serving_config(args.config) if args.config else {}
     flags = {"max_model_len": args.max_model_len, "token_budget": args.token_budget,
-             "image_budget": args.image_budget, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}
+             "image_budget": args.image_budget,
+             "encode_token_budget": getattr(args, "encode_token_budget", None), "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}
     return WorkerSettings(**{
         "dtype": args.dtype, "block_size": args.block_size, **from_file,
         **{k: v for k, v in flags.items() if v is not None},

@@ -32,6 +32,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1)
     token_budget: int | None = Field(default=None, ge=1)
     image_budget: int | None = Field(default=None, ge=1)
+    encode_token_budget: int | None = Field(default=None, ge=1)  # scheduler.py SchedulerConfig
     ttft_slo_s: float | None = Field(default=None, gt=0)  # budgets by profiling (profiler.py)
     tbt_slo_s: float | None = Field(default=None, gt=0)
     max_model_len: int | None = Field(default=None, ge=2)

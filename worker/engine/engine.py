@@ -99,7 +99,8 @@ class Engine:
         self.parallel_vision = make_parallel_vision(self.config.parallel_vision, self.device,
                                                     self.vision is not None, self.language is not None)
         tokens, images = self._budget_pair
-        self.scheduler = Scheduler(SchedulerConfig(tokens, images, self.config.max_num_seqs), self.kv, self.mm)
+        self.scheduler = Scheduler(SchedulerConfig(tokens, images, self.config.max_num_seqs,
+                                                   self.config.encode_token_budget), self.kv, self.mm)
         self.scheduler.counters = self.runner.counters = counters
         self.output = OutputProcessor(self.scheduler, self._requests, self._known_ids, eos_ids, self.max_model_len)
         self.runner.eos_ids = self.output.eos_ids
