@@ -96,6 +96,8 @@ class Engine:
                                    self._lock, self._known_ids)
         self.runner = ModelRunner(self.model, self.kv, self.mm, self.device, self._lock)
         # Encodes beside the language forward on a side CUDA stream (parallel_vision.py).
+        if getattr(self, "parallel_vision", None) is not None:
+            self.parallel_vision.close()  # a role change: the new parts decide again
         self.parallel_vision = make_parallel_vision(self.config.parallel_vision, self.device,
                                                     self.vision is not None, self.language is not None)
         tokens, images = self._budget_pair
