@@ -21,6 +21,7 @@ from triptych.operator.podspec import (
     ucx_env,
     worker_lifecycle,
 )
+from triptych.operator.policies import worker_port_names
 from triptych.operator.shared_gpu import (
     decode_container,
     ep_args,
@@ -120,5 +121,6 @@ def workers_service(owner: Owner, spec: MLLMDeploymentSpec) -> Obj:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": object_meta(owner, names.workers_service_name(owner.name), names.COMPONENT_WORKER),
             "spec": {"clusterIP": "None", "selector": workers_selector(owner),
-                     "ports": [{"name": names.PORT_NAME, "port": names.WORKER_PORT, "targetPort": names.PORT_NAME,
-                                "protocol": "TCP"}]}}
+                     # A shared-GPU pod's D worker is its second port (the ServiceMonitor scrapes both).
+                     "ports": [{"name": port, "port": names.WORKER_PORT + i, "targetPort": port, "protocol": "TCP"}
+                               for i, port in enumerate(worker_port_names(spec))]}}

@@ -101,11 +101,20 @@ def test_rendered_args_reach_the_worker_settings() -> None:
     assert (s_d.role, s_d.token_budget, s_d.encode_token_budget, s_d.device) == ("D", None, None, "cuda")
 
 
-def test_network_policy_lets_the_router_reach_the_decode_port() -> None:
-    objs = desired_objects(OWNER, parse_spec(_spec(), name=OWNER.name), FACTS).by_kind("NetworkPolicy")
-    (policy,) = objs.values()
+def test_network_policy_service_and_monitor_cover_the_decode_port() -> None:
+    facts = ClusterFacts(service_monitor_crd=True, operator_namespace="triptych-system")
+    desired = desired_objects(OWNER, parse_spec(_spec(), name=OWNER.name), facts)
+    (policy,) = desired.by_kind("NetworkPolicy").values()
     ports = [p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])]
     assert "http-decode" in ports
+    service = desired.by_kind("Service")["demo-workers"]
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http", "http-decode"]
+    (monitor,) = desired.by_kind("ServiceMonitor").values()
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["http", "http-decode"]
+    for obj in (policy, service):
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+    plain = desired_objects(OWNER, parse_spec({**_spec(), "pools": []}, name=OWNER.name), facts)
+    assert [p["targetPort"] for p in plain.by_kind("Service")["demo-workers"]["spec"]["ports"]] == ["http"]
 
 
 @pytest.mark.parametrize(("spec", "problem"), [
