@@ -115,6 +115,31 @@ def _router_resources() -> ResourceRequirements:
     return ResourceRequirements(requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "2Gi"})
 
 
+class SharedGPU(Model):
+    """Shared-GPU co-location (UnifiedServe §4.1, §4.4): each pod of the pool runs an EP
+    instance (encode + prefill, scheduled together in one process) and a D instance (a
+    separate process) as two containers on the pod's one GPU, under NVIDIA MPS (an MPS
+    control daemon in a sidecar; the pipe and log directories on a shared emptyDir). The
+    EP instance's encode and prefill token budgets (UnifiedServe §4.5, Algorithm 3: alpha
+    and tau) bound how much compute each of its iterations takes, and so the decode's
+    interference."""
+
+    mode: Literal["MPS"] = "MPS"
+    encode_token_budget: int = Field(
+        2048, ge=1, description="alpha of UnifiedServe Alg. 3: vision-encoder tokens (patch tokens after "
+        "merging) an EP iteration admits; at least one image always runs")
+    prefill_token_budget: int = Field(512, ge=1, description="tau of UnifiedServe Alg. 3: prefill tokens "
+                                      "per EP iteration")
+    decode_port: int = Field(names.WORKER_PORT + 1, ge=1, le=65535,
+                             description="the D container's port (the EP container uses the pool's port)")
+    encode_prefill_thread_percentage: int | None = Field(
+        None, ge=1, le=100, description="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the EP container")
+    decode_thread_percentage: int | None = Field(
+        None, ge=1, le=100, description="CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of the D container")
+    mps_image: str | None = Field(None, description="image with nvidia-cuda-mps-control for the MPS daemon "
+                                  "sidecar (default: the pool's image)")
+
+
 class WorkerPool(Model):
     """A group of identical worker pods (one Deployment); the operator gives each pod one of
     the pool's instance types as its role. A pool of V (video decoder) pods allows V only:
@@ -137,6 +162,9 @@ class WorkerPool(Model):
     volumes: list[Volume] = Field(default_factory=list)
     volume_mounts: list[VolumeMount] = Field(default_factory=list)
     shm_size: Quantity = "1Gi"
+    shared_gpu: SharedGPU | None = Field(
+        None, description="run an EP and a D instance per pod on one GPU under MPS (instanceTypes must be "
+        "[EP, D], topology EP = D for this pool)")
     # >= 1: a budget of 0 would block every node drain forever.
     max_unavailable: int = Field(1, ge=1, description="PodDisruptionBudget maxUnavailable (at least 1)")
 
@@ -148,6 +176,21 @@ class WorkerPool(Model):
     def video_only(self) -> bool:
         """A pool of V pods: started as V, never switched (worker/video_instance.py)."""
         return self.instance_types == [InstanceType.V]
+
+
+    @property
+    def colocated(self) -> bool:
+        """Each pod runs an EP and a D worker (shared_gpu): fixed roles, never switched."""
+        return self.shared_gpu is not None
+
+
+# The two instance types of a shared-GPU pod, in container order (the pod's label is the first).
+COLOCATED_TYPES = (InstanceType.EP, InstanceType.D)
+
+
+def pool_replicas(pool: WorkerPool, counts: dict[InstanceType, int]) -> int:
+    """Pods of a pool: one per instance, or one per EP + D pair on a shared-GPU pool."""
+    return counts.get(InstanceType.EP, 0) if pool.colocated else sum(counts.values())
 
 
 def default_video_pool() -> WorkerPool:
@@ -382,6 +425,7 @@ def spec_problems(spec: MLLMDeploymentSpec, *, name: str) -> list[str]:
         if InstanceType.V in pool.instance_types and not pool.video_only:
             problems.append(f"spec.pools[{pool.name}].instanceTypes: V (video decode, no model weights, never "
                             "switched) needs a pool of its own")
+        problems += _shared_gpu_problems(spec, pool)
         if len(names.worker_deployment_name(name, pool.name)) > 63:
             problems.append(f"name {name!r} + pool {pool.name!r} is longer than 63 characters")
     allowed = {t for p in pools for t in p.instance_types}
@@ -396,6 +440,26 @@ def spec_problems(spec: MLLMDeploymentSpec, *, name: str) -> list[str]:
         problems.append("spec.scheduling: budgets=Fixed needs tokenBudget and imageBudget")
     problems += _autoscaling_problems(spec)
     problems += safety_problems(spec)
+    return problems
+
+
+def _shared_gpu_problems(spec: MLLMDeploymentSpec, pool: WorkerPool) -> list[str]:
+    if pool.shared_gpu is None:
+        return []
+    where = f"spec.pools[{pool.name}]"
+    problems = []
+    if sorted(pool.instance_types) != sorted(COLOCATED_TYPES):
+        problems.append(f"{where}.sharedGpu: instanceTypes must be [EP, D] (one of each per pod)")
+    counts = pool_assignment(spec).get(pool.name, {})
+    if counts.get(InstanceType.EP, 0) != counts.get(InstanceType.D, 0):
+        problems.append(f"{where}.sharedGpu: the pool runs EP and D in pairs; topology gives it "
+                        f"EP={counts.get(InstanceType.EP, 0)} D={counts.get(InstanceType.D, 0)}")
+    if pool.shared_gpu.decode_port == pool.port:
+        problems.append(f"{where}.sharedGpu.decodePort: must differ from the pool's port {pool.port}")
+    if not pool.uses_gpu:
+        problems.append(f"{where}.sharedGpu: needs {GPU} in resources (MPS shares one GPU)")
+    if spec.autoscaling.enabled:
+        problems.append(f"{where}.sharedGpu: autoscaling does not move instances of shared-GPU pods")
     return problems
 
 

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 
 from triptych.kube import names
-from triptych.operator.api import MLLMDeploymentSpec, pool_assignment, topology_string
+from triptych.operator.api import MLLMDeploymentSpec, pool_assignment, pool_replicas, topology_string
 from triptych.operator.objmeta import Obj, Owner, common_labels, object_meta, pool_selector, router_selector
 from triptych.operator.podspec import model_dir
 from triptych.operator.policies import ClusterFacts, network_policy, pdb, service_monitor
@@ -37,6 +37,13 @@ __all__ = ["ClusterFacts", "Desired", "Owner", "common_labels", "desired_objects
 class Desired:
     objects: list[Obj]
     pool_counts: dict[str, dict[InstanceType, int]]  # pool -> instances per type
+    # Shared-GPU pools (an EP and a D worker per pod): roles are planned for the pod's EP.
+    colocated: frozenset[str] = frozenset()
+
+    def role_counts(self, pool: str) -> dict[InstanceType, int]:
+        """What the role planner (roles.plan_pool) gives the pool's pods."""
+        counts = self.pool_counts[pool]
+        return {InstanceType.EP: counts.get(InstanceType.EP, 0)} if pool in self.colocated else counts
 
     def by_kind(self, kind: str) -> dict[str, Obj]:
         return {o["metadata"]["name"]: o for o in self.objects if o["kind"] == kind}
@@ -46,7 +53,7 @@ def desired_objects(owner: Owner, spec: MLLMDeploymentSpec, facts: ClusterFacts)
     counts = pool_assignment(spec)
     objects: list[Obj] = [_config_map(owner, spec, counts), *router_rbac(owner)]
     for pool in spec.effective_pools():
-        replicas = sum(counts[pool.name].values())
+        replicas = pool_replicas(pool, counts[pool.name])
         objects.append(worker_deployment(owner, spec, pool, replicas))
         objects.append(pdb(owner, names.worker_deployment_name(owner.name, pool.name),
                            pool_selector(owner, pool.name), pool.max_unavailable, names.COMPONENT_WORKER))
@@ -60,7 +67,8 @@ def desired_objects(owner: Owner, spec: MLLMDeploymentSpec, facts: ClusterFacts)
         objects.append(network_policy(owner, spec, facts))
     if spec.monitoring.service_monitor and facts.service_monitor_crd:
         objects.append(service_monitor(owner, spec))
-    return Desired([_finalize(o, owner) for o in objects], counts)
+    colocated = frozenset(p.name for p in spec.effective_pools() if p.colocated)
+    return Desired([_finalize(o, owner) for o in objects], counts, colocated)
 
 
 def spec_hash(obj: Obj) -> str:

@@ -120,8 +120,8 @@ def add_model(spec: MLLMDeploymentSpec, image: str, pull: str, volumes: list[Obj
     }]
 
 
-def http_probe(path: str, period: int, failures: int) -> Obj:
-    return {"httpGet": {"path": path, "port": names.PORT_NAME}, "periodSeconds": period,
+def http_probe(path: str, period: int, failures: int, port: str = names.PORT_NAME) -> Obj:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
             "timeoutSeconds": 5, "failureThreshold": failures}
 
 

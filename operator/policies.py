@@ -35,7 +35,7 @@ def network_policy(owner: Owner, spec: MLLMDeploymentSpec, facts: ClusterFacts) 
     Egress: workers of this deployment (any port), DNS, `additionalEgress`; workers never call
     the API server (no service-account token). No peer selects every namespace: the
     operator's pods are allowed only from its own namespace, when that is known."""
-    http = [{"port": names.PORT_NAME, "protocol": "TCP"}]
+    http = [{"port": port, "protocol": "TCP"} for port in worker_port_names(spec)]
     workers = {"podSelector": {"matchLabels": workers_selector(owner)}}
     callers: list[Obj] = [{"podSelector": {"matchLabels": router_selector(owner)}}]
     if facts.operator_namespace:
@@ -64,5 +64,12 @@ def service_monitor(owner: Owner, spec: MLLMDeploymentSpec) -> Obj:
             "spec": {"selector": {"matchLabels": {names.LABEL_INSTANCE: owner.name,
                                                   names.LABEL_MANAGED_BY: names.OPERATOR_NAME}},
                      "namespaceSelector": {"matchNames": [owner.namespace]},
-                     "endpoints": [{"port": names.PORT_NAME, "path": "/metrics",
-                                    "interval": spec.monitoring.interval}]}}
+                     "endpoints": [{"port": port, "path": "/metrics", "interval": spec.monitoring.interval}
+                                   for port in worker_port_names(spec)]}}
+
+
+def worker_port_names(spec: MLLMDeploymentSpec) -> list[str]:
+    """The workers' HTTP port names: `http`, and `http-decode` when a shared-GPU pool runs a
+    second (D) worker per pod (shared_gpu.py)."""
+    colocated = any(p.colocated for p in spec.effective_pools())
+    return [names.PORT_NAME, names.DECODE_PORT_NAME] if colocated else [names.PORT_NAME]

@@ -103,7 +103,7 @@ async def _reconcile_locked(ctx: OperatorContext, body: Mapping[str, Any], *, ap
     await _relabel_drifted(ctx, body, raw_pods, health)
     pods = {pool: [worker_pod(p, health.get(p["metadata"]["name"])) for p in raw_pods if _pool_of(p) == pool]
             for pool in desired.pool_counts}
-    plans = {pool: plan_pool(desired.pool_counts[pool], pods[pool]) for pool in desired.pool_counts}
+    plans = {pool: plan_pool(desired.role_counts(pool), pods[pool]) for pool in desired.pool_counts}
 
     await _mark_removals(ctx, body, plans)
     listed = await _apply_children(ctx, body, owner, desired) if apply_children else {}
@@ -113,14 +113,15 @@ async def _reconcile_locked(ctx: OperatorContext, body: Mapping[str, Any], *, ap
     unmarked = {pod for plan in plans.values() for pod in plan.unmark}
     current = {pool: [_after(p, done.get(p.name), marked, unmarked) for p in pool_pods]
                for pool, pool_pods in pods.items()}
-    left = {pool: plan_pool(desired.pool_counts[pool], current[pool]) for pool in current}
+    left = {pool: plan_pool(desired.role_counts(pool), current[pool]) for pool in current}
     router_labels = {names.LABEL_DEPLOYMENT: name, names.LABEL_COMPONENT: names.COMPONENT_ROUTER}
     if "Deployment" in listed:  # the status of the router Deployment, as listed before applying
         routers = [d for d in listed["Deployment"] if matches(d, router_labels)]
     else:
         routers = await ctx.kube.list(DEPLOYMENT, namespace, router_labels)
     router_ready = sum((d.get("status") or {}).get("readyReplicas") or 0 for d in routers)
-    observation = Observation(generation, desired.pool_counts, current, router_ready, left, tuple(failures))
+    observation = Observation(generation, desired.pool_counts, current, router_ready, left, tuple(failures),
+                              colocated=desired.colocated)
     await _write_status(ctx, body, observation)
 
 
@@ -175,11 +176,19 @@ async def _relabel_drifted(ctx: OperatorContext, body: Mapping[str, Any], raw_po
         if served == label:
             continue
         await ctx.kube.patch(POD, body["metadata"]["namespace"], name, {"metadata": {"labels": role_labels(served)}})
-        if label is None and served is InstanceType.V:  # a V pod starts as V (--role V): nothing drifted
-            ctx.emit(body, "Normal", "RoleAssigned", f"{name}: unassigned -> V")
+        # A V pod starts as V (--role V), a shared-GPU pod's first worker as EP: nothing drifted.
+        if label is None and _fixed_role(pod, served):
+            ctx.emit(body, "Normal", "RoleAssigned", f"{name}: unassigned -> {served.value if served else UNASSIGNED}")
             continue
         ctx.emit(body, "Warning", "RoleDrift", f"{name}: labelled {label.value if label else UNASSIGNED} but its "
                  f"worker serves {served.value if served else UNASSIGNED} (restarted?); relabelled")
+
+
+def _fixed_role(pod: Mapping[str, Any], served: InstanceType | None) -> bool:
+    """The worker started in the role it serves: a V pod (--role V), or the EP worker of a
+    shared-GPU pod (annotated with its workers)."""
+    annotations = pod.get("metadata", {}).get("annotations") or {}
+    return served is InstanceType.V or (served is InstanceType.EP and names.ANNOTATION_WORKERS in annotations)
 
 
 def _after(pod: WorkerPod, role: InstanceType | None, marked: set[str], unmarked: set[str]) -> WorkerPod:

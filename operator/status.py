@@ -32,6 +32,7 @@ class Observation:
     plans: Mapping[str, PoolPlan] = field(default_factory=dict)  # what is left to do after this pass
     failures: tuple[str, ...] = ()
     invalid: tuple[str, ...] = ()  # InvalidSpec problems; everything else is ignored when set
+    colocated: frozenset[str] = frozenset()  # shared-GPU pools: a ready EP pod is a ready D too
 
 
 def _condition(kind: str, ok: bool, reason: str, message: str, generation: int | None) -> Obj:
@@ -72,6 +73,8 @@ def _serving_status(obs: Observation) -> tuple[Obj, list[Obj]]:
                 continue
             if pod.role is not None and pod.ready:
                 ready[pod.role] = ready.get(pod.role, 0) + 1
+                if pool in obs.colocated and pod.role is InstanceType.EP:  # its D container is ready too
+                    ready[InstanceType.D] = ready.get(InstanceType.D, 0) + 1
             workers.append({"name": pod.name, "pool": pool,
                             "role": pod.role.value if pod.role else UNASSIGNED, "ready": pod.ready})
     kinds = [t for t in TYPE_ORDER if desired.get(t) or ready.get(t)]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from triptych.kube import names
-from triptych.operator.api import MLLMDeploymentSpec, WorkerPool
+from triptych.operator.api import MLLMDeploymentSpec, SharedGPU, WorkerPool
 from triptych.operator.objmeta import Obj, Owner, common_labels, object_meta, pool_selector, workers_selector
 from triptych.operator.podspec import (
     ADMIN_TOKEN_ENV,
@@ -21,6 +21,15 @@ from triptych.operator.podspec import (
     ucx_env,
     worker_lifecycle,
 )
+from triptych.operator.policies import worker_port_names
+from triptych.operator.shared_gpu import (
+    decode_container,
+    ep_args,
+    mps_env,
+    mps_sidecar,
+    mps_volumes,
+    workers_annotation,
+)
 from triptych.topology import UNASSIGNED, InstanceType
 
 
@@ -28,11 +37,13 @@ def worker_args(spec: MLLMDeploymentSpec, pool: WorkerPool) -> list[str]:
     transfer = "any" if spec.transfer.allow_fallback else "nixl"
     # V pods start as V (a video decoder has no role to switch to or from); every other pod
     # starts unassigned and gets its role from the operator.
-    role = InstanceType.V.value if pool.video_only else UNASSIGNED
-    return ["--model", model_dir(spec.model.source), "--role", role, "--host", "0.0.0.0",
+    # A shared-GPU pod's first worker is EP from the start (its second, D: shared_gpu.py).
+    role = InstanceType.V.value if pool.video_only else InstanceType.EP.value if pool.colocated else UNASSIGNED
+    args = ["--model", model_dir(spec.model.source), "--role", role, "--host", "0.0.0.0",
             "--port", str(pool.port), "--instance-id", "$(POD_NAME)",
             "--block-size", str(spec.scheduling.block_size), "--transfer-require", transfer,
             "--dtype", spec.model.dtype, "--device", "cuda" if pool.uses_gpu else "cpu"]
+    return args + (ep_args(pool.shared_gpu) if pool.shared_gpu is not None else [])
 
 
 def worker_deployment(owner: Owner, spec: MLLMDeploymentSpec, pool: WorkerPool, replicas: int) -> Obj:
@@ -66,6 +77,9 @@ def worker_deployment(owner: Owner, spec: MLLMDeploymentSpec, pool: WorkerPool, 
         "containers": [container],
         "volumes": volumes,
     }
+    template_meta: Obj = {}
+    if pool.shared_gpu is not None:
+        template_meta = _share_gpu(pod_spec, init, pool, pool.shared_gpu)
     if init:
         pod_spec["initContainers"] = init
     if pool.node_selector:
@@ -86,14 +100,27 @@ def worker_deployment(owner: Owner, spec: MLLMDeploymentSpec, pool: WorkerPool, 
             "selector": {"matchLabels": selector},
             # No surge: a surge pod on a full GPU node would stay Pending and stall the rollout.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            "template": {"metadata": {"labels": pod_labels}, "spec": pod_spec},
+            "template": {"metadata": {"labels": pod_labels, **template_meta}, "spec": pod_spec},
         },
     }
+
+
+def _share_gpu(pod_spec: Obj, init: list[Obj], pool: WorkerPool, shared: SharedGPU) -> Obj:
+    """An EP + D pod under MPS (shared_gpu.py); returns the template's annotations."""
+    volumes, mounts = mps_volumes()
+    pod_spec["volumes"] += volumes
+    ep = pod_spec["containers"][0]
+    ep["volumeMounts"] = [*ep["volumeMounts"], *mounts]
+    ep["env"] = [*ep["env"], *mps_env(shared.encode_prefill_thread_percentage)]
+    pod_spec["containers"] = [ep, decode_container(ep, pool, shared)]
+    init.append(mps_sidecar(pool, shared, mounts))
+    return {"annotations": {names.ANNOTATION_WORKERS: workers_annotation(pool, shared)}}
 
 
 def workers_service(owner: Owner, spec: MLLMDeploymentSpec) -> Obj:
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": object_meta(owner, names.workers_service_name(owner.name), names.COMPONENT_WORKER),
             "spec": {"clusterIP": "None", "selector": workers_selector(owner),
-                     "ports": [{"name": names.PORT_NAME, "port": names.WORKER_PORT, "targetPort": names.PORT_NAME,
-                                "protocol": "TCP"}]}}
+                     # A shared-GPU pod's D worker is its second port (the ServiceMonitor scrapes both).
+                     "ports": [{"name": port, "port": names.WORKER_PORT + i, "targetPort": port, "protocol": "TCP"}
+                               for i, port in enumerate(worker_port_names(spec))]}}

@@ -38,12 +38,16 @@ class WorkerEndpoint:
 
 @dataclass(frozen=True)
 class _Pod:
-    name: str
+    name: str  # the pod's name; "<pod>/<role>" for each worker of a pod that runs several
     url: str
     role: str | None  # label; None when unassigned or not routable (not ready, no IP, deleting)
+    pod: str = ""  # the pod's name (WorkerEndpoint.pod)
 
 
-def _pod_view(pod: Mapping[str, Any], default_port: int) -> _Pod:
+def _pod_views(pod: Mapping[str, Any], default_port: int) -> list[_Pod]:
+    """One view per worker of the pod: a pod annotated `triptych.dev/workers` (a shared-GPU
+    pod: EP and D on one GPU) runs one worker per listed role=port, each confirmed by its own
+    /health; any other pod runs one worker on its `http` port, with the role of its label."""
     meta, status = pod.get("metadata", {}), pod.get("status") or {}
     ip = status.get("podIP")
     port = default_port
@@ -53,8 +57,25 @@ def _pod_view(pod: Mapping[str, Any], default_port: int) -> _Pod:
                 port = int(p["containerPort"])
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     role = (meta.get("labels") or {}).get(names.LABEL_ROLE)
-    routable = ready and ip and not meta.get("deletionTimestamp") and role in names.ROLES
-    return _Pod(name=meta["name"], url=f"http://{ip}:{port}", role=role if routable else None)
+    live = bool(ready and ip and not meta.get("deletionTimestamp"))
+    workers = _listed_workers((meta.get("annotations") or {}).get(names.ANNOTATION_WORKERS))
+    name = meta["name"]
+    if workers:
+        # Both roles were fixed at start; the label (the first worker's role) is not needed.
+        return [_Pod(name=f"{name}/{r}", url=f"http://{ip}:{p}", role=r if live else None, pod=name)
+                for r, p in workers]
+    routable = live and role in names.ROLES
+    return [_Pod(name=name, url=f"http://{ip}:{port}", role=role if routable else None, pod=name)]
+
+
+def _listed_workers(annotation: str | None) -> list[tuple[str, int]]:
+    """`EP=8100,D=8101` -> [("EP", 8100), ("D", 8101)]; entries that do not parse are skipped."""
+    out = []
+    for entry in (annotation or "").split(","):
+        role, _, port = entry.strip().partition("=")
+        if role in names.ROLES and port.isdigit():
+            out.append((role, int(port)))
+    return out
 
 
 class KubernetesDiscovery:
@@ -86,7 +107,7 @@ class KubernetesDiscovery:
         return names.worker_selector(self.deployment)
 
     def current(self) -> list[WorkerEndpoint]:
-        return sorted(self._confirmed.values(), key=lambda e: e.pod)
+        return sorted(self._confirmed.values(), key=lambda e: (e.pod, e.url))
 
     async def start(self) -> None:
         if self._kube is None:
@@ -124,11 +145,15 @@ class KubernetesDiscovery:
         return all(labels.get(k) == v for k, v in self.labels.items())
 
     def _set_pod(self, pod: Mapping[str, Any]) -> None:
-        if self._matches(pod):
-            self._pods[pod["metadata"]["name"]] = _pod_view(pod, self._default_port)
-        else:  # relabelled away from this deployment
-            self._pods.pop(pod.get("metadata", {}).get("name", ""), None)
+        self._drop_pod(pod.get("metadata", {}).get("name", ""))
+        if self._matches(pod):  # else relabelled away from this deployment
+            for view in _pod_views(pod, self._default_port):
+                self._pods[view.name] = view
         self._changed.set()
+
+    def _drop_pod(self, name: str) -> None:
+        for key in [k for k, v in self._pods.items() if v.pod == name]:
+            del self._pods[key]
 
     async def _watch_forever(self) -> None:
         assert self._kube is not None
@@ -154,7 +179,7 @@ class KubernetesDiscovery:
             if kind in ("ADDED", "MODIFIED"):
                 self._set_pod(obj)
             elif kind == "DELETED":
-                self._pods.pop(obj.get("metadata", {}).get("name", ""), None)
+                self._drop_pod(obj.get("metadata", {}).get("name", ""))
                 self._changed.set()
         # The server closed the stream (timeoutSeconds): relist and watch again.
 
@@ -171,7 +196,7 @@ class KubernetesDiscovery:
     async def _confirm(self, client: httpx.AsyncClient) -> None:
         pods = [p for p in self._pods.values() if p.role is not None]
         reported = await asyncio.gather(*(self._reported_role(client, p) for p in pods))
-        confirmed = {p.name: WorkerEndpoint(p.url, p.role, p.name)
+        confirmed = {p.name: WorkerEndpoint(p.url, p.role, p.pod)
                      for p, role in zip(pods, reported, strict=True) if p.role is not None and role == p.role}
         if confirmed != self._confirmed:
             self._confirmed = confirmed

@@ -257,6 +257,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn automatic prefix caching off (on by default: prompts reuse cached KV blocks)")
+    p.add_argument("--no-parallel-vision", action="store_true",
+                   help="on a GPU, run a step's encodes after its language forward instead of beside it "
+                        "on a second CUDA stream (HydraInfer §4.2); CPU workers always run them in turn")
     p.add_argument("--num-mm-blocks", type=int, default=None)
     p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     p.add_argument("--lease-seconds", type=float, default=30.0)
@@ -269,6 +272,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--token-budget", type=int, default=None, help="tokens per step (default: from SLO or 2048)")
     p.add_argument("--image-budget", type=int, default=None, help="images encoded per step")
+    p.add_argument("--encode-token-budget", type=int, default=None,
+                   help="vision-encoder tokens encoded per step (UnifiedServe Alg. 3 alpha; default: no limit)")
     p.add_argument("--ttft-slo", type=float, default=None, help="seconds; budgets by start-up profiling")
     p.add_argument("--tbt-slo", type=float, default=None, help="seconds; budgets by start-up profiling")
     p.add_argument("--config", default=os.environ.get("TRIPTYCH_CONFIG"),

@@ -49,8 +49,10 @@ class InstanceRuntime:
         engine = Engine(EngineConfig(model=s.model, role=role, dtype=s.dtype, device=s.device,
                                      block_size=s.block_size, num_kv_blocks=s.num_kv_blocks,
                                      enable_prefix_caching=s.enable_prefix_caching,
+                                     parallel_vision=s.parallel_vision,
                                      num_mm_blocks=s.num_mm_blocks, max_model_len=s.max_model_len,
                                      token_budget=s.token_budget, image_budget=s.image_budget,
+                                     encode_token_budget=s.encode_token_budget,
                                      ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s, keep_mm_cache=True))
         transfer, migration = self._wire_transfer(engine, role)
         engine.start()

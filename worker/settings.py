@@ -20,6 +20,7 @@ class WorkerSettings(BaseModel):
     block_size: int = 16
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    parallel_vision: bool = True  # encodes on a side CUDA stream (engine/parallel_vision.py)
     num_mm_blocks: int | None = None
     transfer_require: Literal["any", "nixl"] = "any"
     lease_seconds: float = 30.0
@@ -41,6 +42,7 @@ class WorkerSettings(BaseModel):
     max_model_len: int | None = None
     token_budget: int | None = None
     image_budget: int | None = None
+    encode_token_budget: int | None = None  # UnifiedServe Alg. 3 alpha (shared-GPU pools)
     ttft_slo_s: float | None = None  # budgets from the SLO by start-up profiling (profiler.py)
     tbt_slo_s: float | None = None
 
@@ -71,7 +73,8 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
     """`triptych worker` flags over the serving config file (flags win)."""
     from_file = settings_from_serving_config(args.config) if args.config else {}
     flags = {"max_model_len": args.max_model_len, "token_budget": args.token_budget,
-             "image_budget": args.image_budget, "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}
+             "image_budget": args.image_budget,
+             "encode_token_budget": getattr(args, "encode_token_budget", None), "ttft_slo_s": args.ttft_slo, "tbt_slo_s": args.tbt_slo}
     return WorkerSettings(**{
         "dtype": args.dtype, "block_size": args.block_size, **from_file,
         **{k: v for k, v in flags.items() if v is not None},
@@ -79,6 +82,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "instance_id": args.instance_id or f"{args.role}-{args.port}", "device": args.device,
         "num_kv_blocks": args.num_kv_blocks, "num_mm_blocks": args.num_mm_blocks,
         "enable_prefix_caching": not getattr(args, "no_prefix_caching", False),
+        "parallel_vision": not getattr(args, "no_parallel_vision", False),
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
         "decode_threads": getattr(args, "decode_threads", 2),

@@ -22,6 +22,8 @@ def test_pod_labels_are_the_documented_strings() -> None:
 def test_annotations_are_the_documented_strings() -> None:
     assert names.ANNOTATION_DELETION_COST == "controller.kubernetes.io/pod-deletion-cost"
     assert names.ANNOTATION_SPEC_HASH == "triptych.dev/spec-hash"
+    assert names.ANNOTATION_WORKERS == "triptych.dev/workers"  # shared-GPU pods: "EP=8100,D=8101"
+    assert (names.PORT_NAME, names.DECODE_PORT_NAME) == ("http", "http-decode")
     assert int(names.REMOVAL_DELETION_COST) < 0  # below the default 0: these pods go first
 
 

@@ -99,6 +99,21 @@ def test_encode_and_prefill_share_an_iteration_within_their_budgets() -> None:
     assert _spans(batch) == [("t", 6, 7), ("i", 0, 7)]
 
 
+def test_encode_token_budget_admits_items_while_budget_is_left() -> None:
+    """UnifiedServe Alg. 3 lines 17-19: items are added while n_e < alpha, so the last may
+    overshoot and one item always runs; the image budget still applies."""
+    s = Scheduler(SchedulerConfig(64, 8, 8, encode_token_budget=5), _kv(64), _mm())
+    img = _req("i", 16, [Item(0, 4, "a"), Item(4, 4, "b"), Item(8, 6, "c"), Item(14, 1, "d")])
+    s.add(img)
+    batch = s.schedule()
+    assert [i for _, i in batch.encodes] == [0, 1]  # 4 < 5 admits b; 8 >= 5 stops
+    _advance(s, batch)
+    assert [i for _, i in s.schedule().encodes] == [2]  # 6 tokens > alpha: still one runs
+    big = Scheduler(SchedulerConfig(64, 8, 8, encode_token_budget=100), _kv(64), _mm())
+    big.add(_req("j", 16, [Item(0, 4, "a"), Item(4, 4, "b"), Item(8, 6, "c"), Item(14, 1, "d")]))
+    assert len(big.schedule().encodes) == 4
+
+
 def test_repeated_image_is_encoded_once_and_cached_across_requests() -> None:
     s = _sched(tokens=64, images=4)
     a = _req("a", 12, [Item(0, 4, "same"), Item(6, 4, "same")])

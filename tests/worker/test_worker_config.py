@@ -34,3 +34,12 @@ def test_fixed_budgets(tmp_path: Path) -> None:
     got = settings_from_serving_config(_write(tmp_path, spec))
     assert (got["token_budget"], got["image_budget"], got["block_size"]) == (256, 4, 32)
     assert "ttft_slo_s" not in got
+
+
+def test_parallel_vision_flag_reaches_the_settings() -> None:
+    from triptych.cli import build_parser
+    from triptych.worker.settings import settings_from_args
+
+    base = ["worker", "--model", "m", "--config", ""]
+    assert settings_from_args(build_parser().parse_args(base)).parallel_vision is True
+    assert settings_from_args(build_parser().parse_args([*base, "--no-parallel-vision"])).parallel_vision is False

@@ -44,6 +44,11 @@ ANNOTATION_DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 # lowest cost first, and pods without the annotation count as 0.
 REMOVAL_DELETION_COST = "-1000"
 
+# On a pod that runs more than one worker (a shared-GPU pool: EP + D under MPS), the role and
+# port of each, e.g. "EP=8100,D=8101"; the router's discovery makes one endpoint per entry.
+# Such a pod's role label names its first worker (the operator never switches these roles).
+ANNOTATION_WORKERS = "triptych.dev/workers"
+
 # --- roles ------------------------------------------------------------------------------------
 # The values a pod's triptych.dev/role label may hold: the instance types.
 ROLES: frozenset[str] = frozenset(t.value for t in InstanceType)
@@ -60,6 +65,10 @@ DEFAULT_IMAGE = "ghcr.io/triptych/worker:0.1.0"
 WORKER_PORT = 8100
 ROUTER_PORT = 8000
 PORT_NAME = "http"  # the container port name probes, Services and the router's discovery use
+DECODE_PORT_NAME = "http-decode"  # the D worker's port on a shared-GPU pod
+# NVIDIA MPS on a shared-GPU pod: the control daemon's pipe and log directories (emptyDirs).
+MPS_PIPE_DIR = "/mps/pipe"
+MPS_LOG_DIR = "/mps/log"
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/triptych/config"
 CONFIG_FILE = "serving.json"

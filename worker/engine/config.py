@@ -32,6 +32,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(default=64, ge=1)
     token_budget: int | None = Field(default=None, ge=1)
     image_budget: int | None = Field(default=None, ge=1)
+    encode_token_budget: int | None = Field(default=None, ge=1)  # scheduler.py SchedulerConfig
     ttft_slo_s: float | None = Field(default=None, gt=0)  # budgets by profiling (profiler.py)
     tbt_slo_s: float | None = Field(default=None, gt=0)
     max_model_len: int | None = Field(default=None, ge=2)
@@ -47,6 +48,9 @@ class EngineConfig(BaseModel):
     # Automatic prefix caching (prefix_cache.py): full KV blocks are kept, named by a hash
     # chain over token ids and image content hashes, and shared by later prompts.
     enable_prefix_caching: bool = True
+    # Encodes on a side CUDA stream beside the language forward when a step has both
+    # (HydraInfer §4.2; parallel_vision.py). CUDA only: a CPU keeps the sequential path.
+    parallel_vision: bool = True
     # Tests: scramble the free lists so block tables are non-contiguous.
     shuffle_seed: int | None = None
 

@@ -44,6 +44,7 @@ from triptych.worker.engine.kv_cache import OutOfBlocksError
 from triptych.worker.engine.mm_cache import MMEntry
 from triptych.worker.engine.model_runner import ModelRunner, Sampled
 from triptych.worker.engine.outputs import OutputProcessor
+from triptych.worker.engine.parallel_vision import ParallelVision, make_parallel_vision
 from triptych.worker.engine.request import (
     FinishReason,
     Request,
@@ -95,8 +96,14 @@ class Engine:
         self.admission = Admission(self.config, self.model, self.kv, self.mm, self.max_model_len, self.tokenizer,
                                    self._lock, self._known_ids)
         self.runner = ModelRunner(self.model, self.kv, self.mm, self.device, self._lock)
+        # Encodes beside the language forward on a side CUDA stream (parallel_vision.py).
+        if getattr(self, "parallel_vision", None) is not None:
+            self.parallel_vision.close()  # a role change: the new parts decide again
+        self.parallel_vision = make_parallel_vision(self.config.parallel_vision, self.device,
+                                                    self.vision is not None, self.language is not None)
         tokens, images = self._budget_pair
-        self.scheduler = Scheduler(SchedulerConfig(tokens, images, self.config.max_num_seqs), self.kv, self.mm)
+        self.scheduler = Scheduler(SchedulerConfig(tokens, images, self.config.max_num_seqs,
+                                                   self.config.encode_token_budget), self.kv, self.mm)
         self.scheduler.counters = self.runner.counters = counters
         self.output = OutputProcessor(self.scheduler, self._requests, self._known_ids, eos_ids, self.max_model_len)
         self.runner.eos_ids = self.output.eos_ids
@@ -313,12 +320,28 @@ class Engine:
         return batch
 
     def _run(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> Sampled:
+        if batch.encodes and batch.chunks and self.parallel_vision is not None:
+            return self._run_parallel(batch, outputs, self.parallel_vision)
         if batch.encodes:
             self._guarded(self.runner.run_encodes, batch.encodes, [r for r, _ in batch.encodes], outputs)
         batch.chunks = [c for c in batch.chunks if not c.req.is_finished]
         if not batch.chunks:
             return {}
         return self._guarded(self.runner.run_language, batch.chunks, [c.req for c in batch.chunks], outputs)
+
+    def _run_parallel(self, batch: ScheduledBatch, outputs: list[RequestOutput], pv: ParallelVision) -> Sampled:
+        """Encodes on the side stream, language on this one (HydraInfer §4.2). An encode
+        failure fails its requests after the forward; a chunk of such a request computed
+        this step is dropped (the sequential path would not have run it)."""
+        language, encoded = pv.overlap(
+            lambda before_commit: self.runner.run_encodes(batch.encodes, before_commit),
+            lambda: self.runner.run_language(batch.chunks))
+        # Failures are handled once both are done: failing a request frees its blocks.
+        self._guarded(lambda _: encoded.result(), None, [r for r, _ in batch.encodes], outputs)
+        sampled = self._guarded(lambda _: language.result(), None, [c.req for c in batch.chunks], outputs)
+        batch.chunks = [c for c in batch.chunks if not c.req.is_finished]
+        kept = {id(c.req) for c in batch.chunks}
+        return {k: v for k, v in sampled.items() if k in kept}
 
     def _guarded(self, fn: Callable[[Any], Any], work: Any, reqs: list[Request],
                  outputs: list[RequestOutput]) -> Any:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -44,8 +45,12 @@ class ModelRunner:
         self.eos_ids: frozenset[int] = frozenset()  # what min_tokens holds back (the engine sets it)
 
     # --- encode -------------------------------------------------------------------------
-    def run_encodes(self, encodes: list[tuple[Request, int]]) -> None:
-        """Encode item `i` of each `(request, i)` and commit it to its MM cache entry."""
+    def run_encodes(self, encodes: list[tuple[Request, int]],
+                    before_commit: Callable[[], None] | None = None) -> None:
+        """Encode item `i` of each `(request, i)` and commit it to its MM cache entry.
+        `before_commit` runs between the writes and the commit: on a side CUDA stream
+        (parallel_vision.py) it waits for the writes, so no reader of a committed entry
+        sees rows still being written."""
         assert self.vision is not None and self.mm is not None
         start = time.monotonic()
         for req, _ in encodes:
@@ -58,6 +63,11 @@ class ModelRunner:
             for entry, emb in zip(entries, embeds, strict=True):
                 assert entry is not None
                 self.mm.write(entry, emb)
+        if before_commit is not None:
+            before_commit()
+        with self._lock:
+            for entry in entries:
+                assert entry is not None
                 self.mm.commit(entry)
         end = time.monotonic()
         for req, _ in encodes:

@@ -109,6 +109,11 @@ class SchedulerConfig:
     token_budget: int
     image_budget: int
     max_num_seqs: int
+    # Vision-encoder tokens (an item's placeholder tokens) a step may encode: UnifiedServe
+    # §4.5 Alg. 3's alpha, which with the token budget (tau) bounds a step's compute on a
+    # GPU shared with a decode instance. Items are admitted while budget is left, so one
+    # image always runs and the last may overshoot (Alg. 3 lines 17-19). None: no limit.
+    encode_token_budget: int | None = None
 
 
 class Scheduler:
@@ -122,6 +127,7 @@ class Scheduler:
         self.counters = Counters()
         self._tokens_left = 0
         self._images_left = 0
+        self._encode_tokens_left = 0
         self._prefill_blocked = False
         self._inflight: set[bytes] = set()  # hashes of blocks running prefills are computing
 
@@ -199,6 +205,7 @@ class Scheduler:
         batch = ScheduledBatch()
         self._tokens_left = self.config.token_budget
         self._images_left = self.config.image_budget
+        self._encode_tokens_left = self.config.encode_token_budget or 1 << 62
         self._schedule_decodes(batch)
         self._schedule_running_prefills(batch)
         self._schedule_running_encodes(batch)
@@ -247,7 +254,7 @@ class Scheduler:
     def _try_admit(self, req: Request, batch: ScheduledBatch) -> None:
         admitted = False
         if self._needs_encode(req):
-            if self._images_left <= 0:
+            if self._images_left <= 0 or self._encode_tokens_left <= 0:
                 return
             self._admit(req)
             self._schedule_encodes(req, batch)
@@ -368,7 +375,7 @@ class Scheduler:
         for i in req.pending_mm():
             if req.mm_entries[i] is not None:
                 continue  # shares an entry allocated earlier in this loop
-            if self._images_left <= 0:
+            if self._images_left <= 0 or self._encode_tokens_left <= 0:
                 return
             item = req.mm_items[i]
             # What this run encodes: items sent as bytes, and videos pulled from V instances
@@ -385,6 +392,7 @@ class Scheduler:
             req.mm_entries[i] = self.mm.allocate(item.content_hash, item.length)
             batch.encodes.append((req, i))
             self._images_left -= 1
+            self._encode_tokens_left -= item.length
             req.status = RequestStatus.ENCODING
             # Another item of this request with the same image shares the entry.
             for j in req.pending_mm():
