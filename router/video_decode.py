@@ -46,6 +46,9 @@ class VideoDispatcher:
     slots_per_instance: int = 2  # a V instance's decoder threads (worker decode_threads)
     segments_per_slot: int = 2  # GOP sets per slot: finer sets balance better, cost a seek each
     timeout_s: float = 120.0
+    # GOP sets planned and not yet decoded (waiting for a slot or decoding), over every
+    # video in flight: `triptych_frontend_video_queued_gop_sets`, the planner's V signal.
+    queued_gop_sets: int = 0
 
     def plan(self, data: bytes, item: MMItemSpec, num_slots: int) -> list[Segment]:
         """The video's GOP sets (Alg. 1), exactly the frames the router counted. CPU work: a thread."""
@@ -65,6 +68,14 @@ class VideoDispatcher:
         """Decode one video over `instances`; its parts in segment order."""
         slots = [inst for inst in instances for _ in range(self.slots_per_instance)]
         segments = await asyncio.to_thread(self.plan, data, item, len(slots))
+        self.queued_gop_sets += len(segments)
+        try:
+            return await self._decode(request_id, data, item, instances, slots, segments)
+        finally:
+            self.queued_gop_sets -= len(segments)
+
+    async def _decode(self, request_id: str, data: bytes, item: MMItemSpec, instances: list[Instance],
+                      slots: list[Instance], segments: list[Segment]) -> list[VideoPart]:
         queue: asyncio.Queue[Segment] = asyncio.Queue()
         for seg in segments:
             queue.put_nowait(seg)
