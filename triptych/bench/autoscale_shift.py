@@ -35,7 +35,6 @@ from triptych.bench.stats import SLO, RequestResult, percentile, slo_attainment
 from triptych.bench.trace import calibrate, trace_bodies
 from triptych.operator.planner.workload import TraceRequest, WorkloadSpec, fixed, generate
 
-
 SHIFT_DEFAULTS = {
     # image requests -> long text-only prompts: prefill is the bottleneck, the encoders idle
     "text": {"before_images": 2, "before_output": 16, "after_images": 0, "after_prompt": 800, "after_output": 16},
