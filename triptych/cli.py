@@ -359,6 +359,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")
     p.add_argument("--autoscale-standby", type=int, default=0,
                    help="with --autoscale: extra unassigned instances encoder scaling can take")
+    p.add_argument("--autoscale-video-standby", type=int, default=0,
+                   help="with --autoscale: extra V processes, started parked, V scaling can take")
     p.add_argument("--autoscale-args", default="", help="with --autoscale: more `triptych autoscale` flags")
     p.add_argument("--admin-token-file", default=None,
                    help="admin token for the children (else TRIPTYCH_ADMIN_TOKEN, else one is generated "

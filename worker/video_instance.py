@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 
 from triptych.processor import ProcessorError
 from triptych.stage_protocol import RoleSwitch, VideoPart, VideoSegmentRequest
+from triptych.topology import UNASSIGNED
 from triptych.video_processing import VideoProcessorConfig, preprocess_frames
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.migration import LeaseTable, run_lease_pump
@@ -77,6 +78,10 @@ class VideoDecoderInstance:
         self.slots = asyncio.Semaphore(max(1, settings.decode_threads))
         self.decoding = 0
         self.counts = {"uploads": 0, "segments": 0, "refused": 0, "frames": 0}
+        # Parked: a standby the planner can scale V onto (operator/planner/local_connector.py).
+        # /health says `unassigned`, so the router picks it for no new video; it still
+        # decodes what it is sent (GOP sets of a video already planned over it: zero loss).
+        self.parked = False
 
     def load(self) -> float:
         return float(self.decoding)
@@ -158,7 +163,8 @@ def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         inst = holder["v"]
-        return {"status": "ok", "role": "V", "instance_id": settings.instance_id, "load": inst.load(),
+        return {"status": "ok", "role": UNASSIGNED if inst.parked else "V", "video": True,
+                "instance_id": settings.instance_id, "load": inst.load(),
                 "draining": False, "transport": inst.transfer.transport, "target_role": None}
 
     @app.get("/ready")
@@ -176,8 +182,9 @@ def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     @app.post("/admin/role")
     async def admin_role(body: RoleSwitch) -> JSONResponse:
         # The operator "assigns" V to a V pod like any role (then labels the pod); it is one already.
-        if body.role == "V":
-            return JSONResponse({"role": "V", "status": "ok"})
+        if body.role in ("V", UNASSIGNED):  # unassigned parks it (a standby V), V brings it back
+            holder["v"].parked = body.role == UNASSIGNED
+            return JSONResponse({"role": body.role, "status": "ok"})
         return _error(409, "a V instance decodes video only; it does not switch roles", "role_fixed")
 
     @app.put("/internal/video/{vid}")

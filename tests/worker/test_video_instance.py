@@ -91,3 +91,21 @@ def test_role_is_fixed(v_client: TestClient) -> None:
     assert v_client.post("/admin/role", json={"role": "V"}).status_code == 200
     assert v_client.post("/admin/role", json={"role": "E"}).status_code == 409
     assert v_client.get("/health").json()["role"] == "V"
+
+
+def test_parked_v_is_a_standby_that_still_decodes(v_client: TestClient) -> None:
+    # the planner's V scaling (local): parked, /health says unassigned (the router picks it
+    # for no new video) and marks it a video decoder; GOP sets sent to it still decode
+    data = clip(9)
+    seg = _segments(data)[0]
+    assert v_client.put(f"/internal/video/{seg.video_id}", content=data).status_code == 204
+    try:
+        assert v_client.post("/admin/role", json={"role": "unassigned"}).status_code == 200
+        health = v_client.get("/health").json()
+        assert (health["role"], health["video"], health["status"]) == ("unassigned", True, "ok")
+        r = _post(v_client, data, seg, request_id="r-parked")
+        assert r.status_code == 200, r.text
+    finally:
+        assert v_client.post("/admin/role", json={"role": "V"}).status_code == 200
+    assert v_client.get("/health").json()["role"] == "V"
+    assert v_client.post("/admin/role", json={"role": "E"}).status_code == 409
