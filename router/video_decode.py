@@ -69,13 +69,14 @@ class VideoDispatcher:
         slots = [inst for inst in instances for _ in range(self.slots_per_instance)]
         segments = await asyncio.to_thread(self.plan, data, item, len(slots))
         self.queued_gop_sets += len(segments)
+        decoded = [0]  # this video's GOP sets answered (each left queued_gop_sets then)
         try:
-            return await self._decode(request_id, data, item, instances, slots, segments)
-        finally:
-            self.queued_gop_sets -= len(segments)
+            return await self._decode(request_id, data, item, instances, slots, segments, decoded)
+        finally:  # what a failure or cancellation left undecoded
+            self.queued_gop_sets -= len(segments) - decoded[0]
 
     async def _decode(self, request_id: str, data: bytes, item: MMItemSpec, instances: list[Instance],
-                      slots: list[Instance], segments: list[Segment]) -> list[VideoPart]:
+                      slots: list[Instance], segments: list[Segment], decoded: list[int]) -> list[VideoPart]:
         queue: asyncio.Queue[Segment] = asyncio.Queue()
         for seg in segments:
             queue.put_nowait(seg)
@@ -109,6 +110,8 @@ class VideoDispatcher:
                     raise StageFailure(inst, f"{inst.url} answered {resp.status_code} to a video segment: "
                                              f"{_message(resp)}", status=503 if resp.status_code == 503 else 502)
                 parts.append(VideoPart.model_validate_json(resp.content))
+                self.queued_gop_sets -= 1
+                decoded[0] += 1
 
         tasks = [asyncio.create_task(slot(inst)) for inst in slots]
         try:
