@@ -274,6 +274,14 @@ class AutoscalingConfig(Model):
     divergence_off: float = Field(0.25, ge=0, description="spread under which a triggered move resets")
     encode_up: float = Field(8.0, gt=0, description="queued images per E instance that add one")
     encode_down: float = Field(1.0, ge=0, description="queued images per E instance that remove one")
+    decode_scaling: bool = Field(True, description="lend an instance to D under decode pressure (TBT p90 vs "
+                                 "spec.slo.tbtMs, decode seats and KV in use) and give it back after")
+    decode_up: float = Field(1.0, gt=0, description="TBT p90 / TBT SLO at which decode is under pressure")
+    decode_down: float = Field(0.5, ge=0, description="TBT p90 / TBT SLO (with one D fewer) under which "
+                               "a lent instance goes back")
+    video_scaling: bool = Field(True, description="add or remove V instances on queued video GOP sets")
+    video_up: float = Field(8.0, gt=0, description="queued GOP sets per V instance that add one")
+    video_down: float = Field(0.5, ge=0, description="queued GOP sets per V instance that remove one")
 
 
 class NetworkPolicyConfig(Model):

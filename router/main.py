@@ -44,8 +44,12 @@ def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None 
     Gauge(f"{PREFIX}_slo_attainment_target", "The share of requests that should meet the SLO "
           "(compare triptych_frontend_slo_attainment)", ["model"],
           registry=metrics).labels(config.model_name).set(config.slo_attainment_target)
+    videos = VideoDispatcher(client, str(config.model))
+    Gauge(f"{PREFIX}_video_queued_gop_sets", "GOP sets planned and not yet decoded by a V instance (waiting for "
+          "a decoder slot or decoding); the planner scales V on it", registry=metrics
+          ).set_function(lambda: videos.queued_gop_sets)
     orchestrator = Orchestrator(registry, client, chooser or Chooser(), orchestrator_config, metrics,
-                                videos=VideoDispatcher(client, str(config.model)))
+                                videos=videos)
     app = create_app(config, orchestrator, registry=metrics)
     add_admin_routes(app, registry, client, config.load_admin_token())
     inner = app.router.lifespan_context

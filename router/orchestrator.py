@@ -128,7 +128,7 @@ class Orchestrator:
             status = "degraded"
         instances = [{"url": i.url, "role": i.role.value if i.role else "unassigned", "ready": i.ready,
                       "draining": i.draining, "load": i.load, "instance_id": i.instance_id,
-                      "switching_to": i.switching_to}
+                      "switching_to": i.switching_to, "video": i.video}
                      for i in self.registry.instances.values()]
         return {"status": status, "roles": roles, "stages": stages, "instances": instances,
                 "inflight": self.inflight}

@@ -33,6 +33,7 @@ class Instance:
     # instance as it was and is dropped (a slow answer must not put back the old role).
     epoch: int = 0
     block_size: int = 16  # its KV block size: prompts are hashed into blocks of it (prefix routing)
+    video: bool = False  # a video decoder process (V, or a parked V standby reporting `unassigned`)
 
     def can_run(self, stage: Stage) -> bool:
         return self.ready and not self.draining and self.role is not None and self.role.runs(stage)
@@ -95,6 +96,7 @@ class Registry:
             inst.load = float(body.get("load", 0.0))
             inst.instance_id = str(body.get("instance_id", ""))
             inst.block_size = max(1, int(body.get("block_size", inst.block_size)))
+            inst.video = bool(body.get("video", False))
             inst.failures = 0
         except (httpx.HTTPError, ValueError) as exc:
             if inst.epoch != epoch:

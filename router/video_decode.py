@@ -48,6 +48,9 @@ class VideoDispatcher:
     slots_per_instance: int = 2  # a V instance's decoder threads (worker decode_threads)
     segments_per_slot: int = 2  # GOP sets per slot: finer sets balance better, cost a seek each
     timeout_s: float = 120.0
+    # GOP sets planned and not yet decoded (waiting for a slot or decoding), over every
+    # video in flight: `triptych_frontend_video_queued_gop_sets`, the planner's V signal.
+    queued_gop_sets: int = 0
 
     def plan(self, data: bytes, item: MMItemSpec, num_slots: int) -> list[Segment]:
         """The video's GOP sets (Alg. 1), exactly the frames the router counted. CPU work: a thread."""
@@ -68,11 +71,25 @@ class VideoDispatcher:
         drains meanwhile (503 `draining`: shut down) keeps the sets it is decoding; the
         sets it refuses go back in the queue for the others."""
         segments = await asyncio.to_thread(self.plan, data, item, len(instances) * self.slots_per_instance)
+        self.queued_gop_sets += len(segments)
+        run: _Run | None = None
+        try:
+            run = self._start(request_id, data, item, segments, instances)
+            return await self._run(run, instances)
+        finally:  # what a failure or cancellation left undecoded
+            self.queued_gop_sets -= len(segments) - (run.decoded if run else 0)
+
+    @staticmethod
+    def _start(request_id: str, data: bytes, item: MMItemSpec, segments: list[Segment],
+               instances: list[Instance]) -> _Run:
         queue: asyncio.Queue[Segment] = asyncio.Queue()
         for seg in segments:
             queue.put_nowait(seg)
-        run = _Run(request_id, data, item, segments[0].video_id, queue,
-                   {inst.url: asyncio.Lock() for inst in instances})
+        return _Run(request_id, data, item, segments[0].video_id, queue,
+                    {inst.url: asyncio.Lock() for inst in instances})
+
+    async def _run(self, run: _Run, instances: list[Instance]) -> list[VideoPart]:
+        queue = run.queue
         live = list(instances)
         while True:
             tasks = [asyncio.create_task(self._slot(run, inst)) for inst in live for _ in range(self.slots_per_instance)]
@@ -87,7 +104,7 @@ class VideoDispatcher:
             live = [inst for inst in live if inst.url not in run.draining]
             if not live:
                 raise StageFailure(gone[0], "every V instance of the plan is draining", status=503)
-            log.info("request %s: %d GOP sets move off draining V instance(s) %s", request_id, queue.qsize(),
+            log.info("request %s: %d GOP sets move off draining V instance(s) %s", run.request_id, queue.qsize(),
                      [i.url for i in gone])
 
     async def _upload(self, run: _Run, inst: Instance, again: bool = False) -> None:
@@ -118,6 +135,8 @@ class VideoDispatcher:
                 raise StageFailure(inst, f"{inst.url} answered {resp.status_code} to a video segment: "
                                          f"{_message(resp)}", status=503 if resp.status_code == 503 else 502)
             run.parts.append(VideoPart.model_validate_json(resp.content))
+            self.queued_gop_sets -= 1
+            run.decoded += 1
 
     async def _decode_one(self, run: _Run, inst: Instance, seg: Segment) -> httpx.Response:
         await self._upload(run, inst)
@@ -160,6 +179,7 @@ class _Run:
     uploaded: set[str] = field(default_factory=set)
     draining: set[str] = field(default_factory=set)  # instances that answered 503 `draining`
     parts: list[VideoPart] = field(default_factory=list)
+    decoded: int = 0  # GOP sets answered (each left the dispatcher's queued_gop_sets then)
 
 
 class _Draining(Exception):

@@ -169,12 +169,17 @@ def _add_bench_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
     a.add_argument("--after-seconds", type=float, default=None,
                    help="length of the phase after the shift (default: --phase-seconds)")
     a.add_argument("--image-size", type=int, nargs=2, default=[224, 224])
-    a.add_argument("--before-images", type=int, default=2)
+    a.add_argument("--shift", choices=("text", "outputs"), default="text",
+                   help="text: image requests -> long text-only prompts (prefill bottleneck); outputs: "
+                   "EPDServe Table 6, the same requests with --before-output -> --after-output tokens "
+                   "(decode bottleneck)")
+    a.add_argument("--before-images", type=int, default=None, help="default: 2 (text), 1 (outputs)")
     a.add_argument("--before-prompt", type=int, default=32, help="text tokens before the shift")
-    a.add_argument("--before-output", type=int, default=16)
-    a.add_argument("--after-images", type=int, default=0)
-    a.add_argument("--after-prompt", type=int, default=800, help="text tokens after the shift")
-    a.add_argument("--after-output", type=int, default=16)
+    a.add_argument("--before-output", type=int, default=None, help="default: 16 (text), 50 (outputs)")
+    a.add_argument("--after-images", type=int, default=None, help="default: 0 (text), --before-images (outputs)")
+    a.add_argument("--after-prompt", type=int, default=None,
+                   help="text tokens after the shift; default: 800 (text), --before-prompt (outputs)")
+    a.add_argument("--after-output", type=int, default=None, help="default: 16 (text), 500 (outputs)")
     a.add_argument("--ttft-slo", type=float, default=1.0)
     a.add_argument("--tbt-slo", type=float, default=0.2)
     a.add_argument("--interval", type=float, default=2.0, help="planner: seconds between decisions")
@@ -362,6 +367,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")
     p.add_argument("--autoscale-standby", type=int, default=0,
                    help="with --autoscale: extra unassigned instances encoder scaling can take")
+    p.add_argument("--autoscale-video-standby", type=int, default=0,
+                   help="with --autoscale: extra V processes, started parked, V scaling can take")
     p.add_argument("--autoscale-args", default="", help="with --autoscale: more `triptych autoscale` flags")
     p.add_argument("--admin-token-file", default=None,
                    help="admin token for the children (else TRIPTYCH_ADMIN_TOKEN, else one is generated "
@@ -386,6 +393,13 @@ def _add_autoscale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--divergence-off", type=float, default=0.25)
     p.add_argument("--encode-up", type=float, default=8.0, help="queued images per E that add one")
     p.add_argument("--encode-down", type=float, default=1.0, help="queued images per E that remove one")
+    p.add_argument("--no-decode-scaling", action="store_true", help="never lend an instance to D on decode pressure")
+    p.add_argument("--decode-up", type=float, default=1.0, help="TBT p90 / --slo-tbt at which decode is under pressure")
+    p.add_argument("--decode-down", type=float, default=0.5,
+                   help="TBT p90 / --slo-tbt (with one D fewer) under which a lent instance goes back")
+    p.add_argument("--no-video-scaling", action="store_true")
+    p.add_argument("--video-up", type=float, default=8.0, help="queued GOP sets per V that add one")
+    p.add_argument("--video-down", type=float, default=0.5, help="queued GOP sets per V that remove one")
     p.add_argument("--scale-up-cooldown", type=float, default=60.0)
     p.add_argument("--scale-down-cooldown", type=float, default=300.0)
     p.add_argument("--role-switch-cooldown", type=float, default=120.0)

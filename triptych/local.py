@@ -86,7 +86,9 @@ class LocalDeployment:
     host: str = "127.0.0.1"
     port: int = 0
     transfer_require: str = "any"
-    extra_roles: list[str] = field(default_factory=list)  # e.g. ["unassigned"], beside the topology
+    # Beside the topology, e.g. ["unassigned"] (engine standbys) or ["V"]: a video decoder
+    # started parked (a standby the planner's V scaling un-parks; local_connector.py).
+    extra_roles: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 180.0
@@ -131,7 +133,7 @@ class LocalDeployment:
 
     def _instance_names(self) -> list[str]:
         return ([f"worker-{kind}-{i}" for kind, n in self.topology.items() for i in range(n)]
-                + [f"worker-{role}-{i}" for i, role in enumerate(self.extra_roles)])
+                + [f"worker-{role}-{_extra_index(role, i)}" for i, role in enumerate(self.extra_roles)])
 
     def _open_quota(self) -> None:
         """Create every instance's cgroup, or say plainly why there will be none."""
@@ -183,7 +185,7 @@ class LocalDeployment:
                                  preexec_fn=preexec)
         return Process(name=name, url=f"http://{self.host}:{port}", popen=popen)
 
-    def start_worker(self, kind: InstanceType | str, index: int, port: int | None = None) -> Process:
+    def start_worker(self, kind: InstanceType | str, index: int | str, port: int | None = None) -> Process:
         port = port or free_port(self.host)
         args = ["worker", "--model", str(self.model), "--role", str(kind), "--host", self.host,
                 "--port", str(port), "--instance-id", f"{kind}-{index}",
@@ -199,9 +201,15 @@ class LocalDeployment:
         try:
             self._open_quota()
             workers = [self.start_worker(kind, i) for kind, n in self.topology.items() for i in range(n)]
-            workers += [self.start_worker(role, i) for i, role in enumerate(self.extra_roles)]
+            standby = [self.start_worker(role, _extra_index(role, i)) for i, role in enumerate(self.extra_roles)]
+            workers += standby
             self.processes.extend(workers)
             self._wait_ready(workers)
+            for proc, role in zip(standby, self.extra_roles, strict=True):
+                if role == InstanceType.V.value:  # parked before the router first sees it
+                    r = httpx.post(f"{proc.url}/admin/role", json={"role": UNASSIGNED}, headers=self.admin_headers,
+                                   timeout=30)
+                    r.raise_for_status()
             port = self.port or free_port(self.host)
             router_args = ["router", "--model", str(self.model), "--host", self.host, "--port", str(port),
                            "--workers", *[w.url for w in workers], *self.router_args]
@@ -290,6 +298,12 @@ def _admin_token_file(token: str) -> Path:
     return path
 
 
+def _extra_index(role: str, i: int) -> int | str:
+    """An extra instance's index in its name and instance id: V standbys get `s<i>`, so
+    they never collide with the topology's V-0, V-1, ..."""
+    return f"s{i}" if role == InstanceType.V.value else i
+
+
 def start_planner(deployment: LocalDeployment, token_file: Path, port: int, extra: list[str]) -> Process:
     """`triptych autoscale` beside the deployment (operator/planner/local_main.py)."""
     args = ["autoscale", "--router", deployment.router_url, "--admin-token-file", str(token_file),
@@ -312,7 +326,8 @@ def cli_main(args: argparse.Namespace) -> int:
         port=args.port,
         transfer_require=args.transfer_require,
         router_args=_router_passthrough(args) + (["--admin-token-file", str(token_file)] if token_file else []),
-        extra_roles=["unassigned"] * (args.autoscale_standby if autoscale else 0),
+        extra_roles=(["unassigned"] * args.autoscale_standby
+                     + [InstanceType.V.value] * getattr(args, "autoscale_video_standby", 0)) if autoscale else [],
         instance_cpus=getattr(args, "instance_cpus", None),
     )
     stopping = False

@@ -48,6 +48,10 @@ class InstanceCollector(Collector):
         leases = GaugeMetricFamily("triptych_worker_leases_outstanding", "Hand-overs not yet pulled",
                                    labels=labels)
         leases.add_metric(values, inst.leases_outstanding())
+        # The planner's decode pressure (operator/planner/signals.py): running requests
+        # against the seats a decode batch has.
+        seats = GaugeMetricFamily("triptych_worker_max_num_seqs", "Requests this instance runs at most at once "
+                                  "(its batch's seats)", labels=labels)
         # Automatic prefix caching, in prompt tokens (vLLM's prefix_cache_queries/hits).
         hits = CounterMetricFamily("triptych_worker_prefix_cache_hits", "Prompt tokens found in the "
                                    "prefix cache (not computed)", labels=labels)
@@ -63,6 +67,7 @@ class InstanceCollector(Collector):
             stats = inst.engine.stats()
             hits.add_metric(values, stats["counters"]["prefix_cache_hits"])
             queries.add_metric(values, stats["counters"]["prefix_cache_queries"])
+            seats.add_metric(values, stats["max_num_seqs"])
             for state in ("waiting", "running", "parked"):
                 queue.add_metric([*values, state], stats[f"num_{state}"])
             for cache in ("kv_cache", "mm_cache"):
@@ -72,6 +77,7 @@ class InstanceCollector(Collector):
         yield queue
         yield blocks
         yield leases
+        yield seats
         yield hits
         yield queries
         yield from per_stage.values()

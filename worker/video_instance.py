@@ -45,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from triptych.processor import ProcessorError
 from triptych.stage_protocol import VIDEO_DRAINING as DRAINING
 from triptych.stage_protocol import RoleSwitch, VideoPart, VideoSegmentRequest
+from triptych.topology import UNASSIGNED
 from triptych.video_processing import VideoProcessorConfig, preprocess_frames
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.draining import DrainingServer
@@ -96,6 +97,10 @@ class VideoDecoderInstance:
         self.draining = False
         self.test_delay_s = float(os.environ.get(SEGMENT_DELAY_ENV, "0") or 0)
         self.counts = {"uploads": 0, "segments": 0, "refused": 0, "frames": 0}
+        # Parked: a standby the planner can scale V onto (operator/planner/local_connector.py).
+        # /health says `unassigned`, so the router picks it for no new video; it still
+        # decodes what it is sent (GOP sets of a video already planned over it: zero loss).
+        self.parked = False
 
     def load(self) -> float:
         return float(self.decoding)
@@ -221,9 +226,9 @@ def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         inst = holder["v"]
-        body = {"status": "draining" if inst.draining else "ok", "role": "V", "instance_id": settings.instance_id,
-                "load": inst.load(), "draining": inst.draining, "transport": inst.transfer.transport,
-                "target_role": None}
+        body = {"status": "draining" if inst.draining else "ok", "role": UNASSIGNED if inst.parked else "V",
+                "video": True, "instance_id": settings.instance_id, "load": inst.load(),
+                "draining": inst.draining, "transport": inst.transfer.transport, "target_role": None}
         return JSONResponse(body, status_code=503 if inst.draining else 200)
 
     @app.get("/ready")
@@ -242,8 +247,9 @@ def create_video_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     @app.post("/admin/role")
     async def admin_role(body: RoleSwitch) -> JSONResponse:
         # The operator "assigns" V to a V pod like any role (then labels the pod); it is one already.
-        if body.role == "V":
-            return JSONResponse({"role": "V", "status": "ok"})
+        if body.role in ("V", UNASSIGNED):  # unassigned parks it (a standby V), V brings it back
+            holder["v"].parked = body.role == UNASSIGNED
+            return JSONResponse({"role": body.role, "status": "ok"})
         return _error(409, "a V instance decodes video only; it does not switch roles", "role_fixed")
 
     @app.put("/internal/video/{vid}")

@@ -110,6 +110,13 @@ class PlannerMetrics:
                                      d + ["stage"], registry=r)
         self.ttft = Gauge(f"{P}_ttft_p90_seconds", "TTFT p90 (snapshot)", d, registry=r)
         self.tbt = Gauge(f"{P}_tbt_p90_seconds", "TBT p90 (snapshot)", d, registry=r)
+        self.tpot = Gauge(f"{P}_tpot_p90_seconds", "TPOT p90 (snapshot)", d, registry=r)
+        self.decode_seats = Gauge(f"{P}_decode_seats_used", "Running / max_num_seqs over decoding instances "
+                                  "(snapshot)", d, registry=r)
+        self.decode_kv = Gauge(f"{P}_decode_kv_used", "KV blocks used / total over decoding instances (snapshot)",
+                               d, registry=r)
+        self.video_gop_sets = Gauge(f"{P}_video_queued_gop_sets", "GOP sets queued for V instances (snapshot)",
+                                    d, registry=r)
         self.rate = Gauge(f"{P}_arrival_rate_rps", "Finished requests per second (snapshot)", d, registry=r)
         self.trigger = Gauge(f"{P}_trigger", "Each rule's trigger state (1 set)", d + ["trigger"], registry=r)
         self.last = Gauge(f"{P}_last_decision_timestamp_seconds", "When the last decision was taken", d,
@@ -148,7 +155,9 @@ class PlannerMetrics:
             self.queued_images.labels(dep, stage).set(q.images)
             self.stage_instances.labels(dep, stage).set(q.instances)
         for gauge, value in ((self.ttft, snap.ttft_p90_s), (self.tbt, snap.tbt_p90_s),
-                             (self.rate, snap.arrival_rate_rps), (self.observed, snap.slo_attainment)):
+                             (self.rate, snap.arrival_rate_rps), (self.observed, snap.slo_attainment),
+                             (self.tpot, snap.tpot_p90_s), (self.decode_seats, snap.decode.occupancy),
+                             (self.decode_kv, snap.decode.kv_use), (self.video_gop_sets, snap.video_queued_gop_sets)):
             gauge.labels(dep).set(float("nan") if value is None else value)
         for name, state in decision.triggers.items():
             self.trigger.labels(dep, name).set(1 if state else 0)

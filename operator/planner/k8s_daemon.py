@@ -65,13 +65,16 @@ PlanIndex = RootModel[dict[str, PlanDocument]]
 SETTINGS = PlannerSettings()
 
 
-def policy_config(auto: AutoscalingConfig) -> PolicyConfig:
-    """spec.autoscaling -> the policy's configuration, every field the CRD has."""
+def policy_config(auto: AutoscalingConfig, slo_tbt_s: float | None = None) -> PolicyConfig:
+    """spec.autoscaling -> the policy's configuration, every field the CRD has; the decode
+    rule measures TBT p90 against spec.slo.tbtMs."""
     return PolicyConfig.from_crd(
         auto, dry_run=auto.dry_run, encoder_scaling=auto.encoder_scaling, replan_gain=auto.replan_gain,
         sustain=auto.sustain, max_queue_per_instance=auto.max_queue_per_instance,
         divergence_on=auto.divergence_on, divergence_off=auto.divergence_off,
-        encode_up=auto.encode_up, encode_down=auto.encode_down)
+        encode_up=auto.encode_up, encode_down=auto.encode_down, decode_scaling=auto.decode_scaling,
+        slo_tbt_s=slo_tbt_s, decode_up=auto.decode_up, decode_down=auto.decode_down,
+        video_scaling=auto.video_scaling, video_up=auto.video_up, video_down=auto.video_down)
 
 
 def seed_history(status: Mapping[str, Any] | None) -> History:
@@ -116,7 +119,7 @@ class DeploymentPlanner:
         except InvalidSpecError:
             return 5.0  # reconcile reports InvalidSpec; nothing to plan on
         auto = spec.autoscaling
-        policy = policy_config(auto)
+        policy = policy_config(auto, spec.slo.tbt_ms / 1000)
         if self.driver is None:
             self.driver = Driver(policy, DriverConfig(interval_s=auto.interval_seconds,
                                                       replan_interval_s=auto.replan_interval_seconds),

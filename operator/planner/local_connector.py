@@ -11,6 +11,11 @@ starts N extra instances `unassigned` (warm processes the router already knows);
 E up switches a ready standby to E, scaling down switches the least-loaded E back to
 `unassigned` (it idles, holding no stage). The router has no endpoint to register a
 process started later, so the standby pool bounds scale-up.
+
+V (video decode) scales the same way over standby V processes (`serve --autoscale
+--autoscale-video-standby N`): a V process parks on `unassigned` (it reports `"video":
+true`, so it is told apart from an engine standby) and un-parks on `V`; a parked V still
+decodes the GOP sets of videos already planned over it, so scaling V down loses nothing.
 """
 
 from __future__ import annotations
@@ -73,10 +78,13 @@ class LocalConnector:
         instances = self.instances()
         mine = [i for i in instances if i.get("role") == kind.value]
         if n > len(mine):
-            standby = [i for i in instances if i.get("role") == UNASSIGNED and i.get("ready")]
+            # a V standby is a parked video decoder; an engine standby is anything else
+            standby = [i for i in instances if i.get("role") == UNASSIGNED and i.get("ready")
+                       and bool(i.get("video")) == (kind is InstanceType.V)]
             if len(standby) < n - len(mine):
                 raise LocalActionError(f"{kind.value} to {n} needs {n - len(mine)} standby instance(s), "
-                                       f"{len(standby)} ready (serve --autoscale-standby)")
+                                       f"{len(standby)} ready (serve --autoscale-"
+                                       f"{'video-' if kind is InstanceType.V else ''}standby)")
             for inst in standby[:n - len(mine)]:
                 self.switch_role(_id(inst), kind)
         for inst in sorted(mine, key=_load)[:max(0, len(mine) - n)]:

@@ -40,7 +40,9 @@ def policy_from_args(args: argparse.Namespace) -> PolicyConfig:
         role_switch_cooldown_s=args.role_switch_cooldown, limits=limits, sustain=args.sustain,
         max_queue_per_instance=args.max_queue_per_instance, divergence_on=args.divergence_on,
         divergence_off=args.divergence_off, encode_up=args.encode_up, encode_down=args.encode_down,
-        replan_gain=args.replan_gain)
+        replan_gain=args.replan_gain, decode_scaling=not args.no_decode_scaling, slo_tbt_s=args.slo_tbt,
+        decode_up=args.decode_up, decode_down=args.decode_down, video_scaling=not args.no_video_scaling,
+        video_up=args.video_up, video_down=args.video_down)
 
 
 def replanner_from_args(args: argparse.Namespace) -> Replanner | None:

@@ -15,7 +15,15 @@ router/orchestrator.py, worker/server.py):
   {result}` (the window gauge when no rate can be taken);
 - arrival rate and request shape: finished requests (`..._e2e_request_latency_seconds_count`),
   `..._images_total`, `..._prompt_tokens_total`, `..._generation_tokens_total`;
-- instances per type: `triptych_frontend_instance_ready{role}`.
+- instances per type: `triptych_frontend_instance_ready{role}`;
+- decode pressure (a bottleneck at D shows no queue: a handed-over request is seated at
+  once, so it shows as slower tokens and fuller batches): TPOT p90 (the router's
+  histogram), and over the instances whose role decodes, requests running
+  (`triptych_worker_requests{state="running"}`) against their seats
+  (`triptych_worker_max_num_seqs`) and KV blocks used against used + free
+  (`triptych_worker_cache_blocks{cache="kv"}`);
+- video decode: GOP sets the router has planned and V instances not yet decoded
+  (`triptych_frontend_video_queued_gop_sets`); V instances are `instance_ready{role="V"}`.
 """
 
 from __future__ import annotations
@@ -43,6 +51,23 @@ class StageQueue(BaseModel):
     instances: int = Field(0, description="ready instances that run this stage")
 
 
+class DecodeLoad(BaseModel):
+    """Over the instances whose role runs decode (D, PD, ED, EPD)."""
+
+    running: float = Field(0.0, description="requests running on them")
+    seats: float = Field(0.0, description="their max_num_seqs, summed (0: not exported)")
+    kv_used_blocks: float = 0.0
+    kv_total_blocks: float = Field(0.0, description="used + free (0: not exported)")
+
+    @property
+    def occupancy(self) -> float | None:
+        return self.running / self.seats if self.seats > 0 else None
+
+    @property
+    def kv_use(self) -> float | None:
+        return self.kv_used_blocks / self.kv_total_blocks if self.kv_total_blocks > 0 else None
+
+
 class Snapshot(BaseModel):
     at: float
     source: Literal["prometheus", "scrape"]
@@ -55,6 +80,9 @@ class Snapshot(BaseModel):
     images_per_request: float | None = None
     prompt_tokens_per_request: float | None = None
     output_tokens_per_request: float | None = None
+    tpot_p90_s: float | None = None
+    decode: DecodeLoad = Field(default_factory=DecodeLoad)
+    video_queued_gop_sets: float | None = Field(None, description="GOP sets waiting for a V decoder")
 
 
 # --- shared: per-instance queue rows -> per-stage queues --------------------------------
@@ -91,6 +119,20 @@ def _queues(waiting: Iterable[tuple[str, float]], load: Iterable[tuple[str, floa
                 if s in queues:
                     setattr(queues[s], field, v)
     return queues, dict(instances)
+
+
+def _runs_decode(role: str) -> bool:
+    return Stage.DECODE.value in _stages_of(role)
+
+
+def _decode_load(running: Iterable[tuple[str, float]], seats: Iterable[tuple[str, float]],
+                 kv_used: Iterable[tuple[str, float]], kv_free: Iterable[tuple[str, float]]) -> DecodeLoad:
+    """(role, value) rows -> sums over the roles that decode."""
+    def total(rows: Iterable[tuple[str, float]]) -> float:
+        return sum(v for role, v in rows if _runs_decode(role) and not math.isnan(v))
+    used = total(kv_used)
+    return DecodeLoad(running=total(running), seats=total(seats), kv_used_blocks=used,
+                      kv_total_blocks=used + total(kv_free))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -136,6 +178,12 @@ def promql(window: str = "2m") -> dict[str, str]:
         "queued_images": f"sum by (stage) ({W}_queued_images)",
         "ttft_p90": f"histogram_quantile(0.9, sum by (le) (rate({F}_time_to_first_token_seconds_bucket[{w}])))",
         "tbt_p90": f"histogram_quantile(0.9, sum by (le) (rate({F}_time_between_tokens_seconds_bucket[{w}])))",
+        "tpot_p90": f"histogram_quantile(0.9, sum by (le) (rate({F}_time_per_output_token_seconds_bucket[{w}])))",
+        "running": f'sum by (role) ({W}_requests{{state="running"}})',
+        "seats": f"sum by (role) ({W}_max_num_seqs)",
+        "kv_used": f'sum by (role) ({W}_cache_blocks{{cache="kv",state="used"}})',
+        "kv_free": f'sum by (role) ({W}_cache_blocks{{cache="kv",state="free"}})',
+        "video_gop_sets": f"sum({F}_video_queued_gop_sets)",
         "slo_met": f'sum(rate({F}_slo_requests_total{{result="met"}}[{w}]))',
         "slo_all": f"sum(rate({F}_slo_requests_total[{w}]))",
         "slo_gauge": f"avg({F}_slo_attainment)",
@@ -164,7 +212,9 @@ def snapshot_from_prometheus(query: Callable[[str], Vector], window: str = "2m",
     attainment = _ratio(one("slo_met"), one("slo_all"))
     return Snapshot(
         at=time.time() if now is None else now, source="prometheus", queues=queues, instances=instances,
-        ttft_p90_s=one("ttft_p90"), tbt_p90_s=one("tbt_p90"),
+        ttft_p90_s=one("ttft_p90"), tbt_p90_s=one("tbt_p90"), tpot_p90_s=one("tpot_p90"),
+        decode=_decode_load(by("running", "role"), by("seats", "role"), by("kv_used", "role"), by("kv_free", "role")),
+        video_queued_gop_sets=one("video_gop_sets"),
         slo_attainment=attainment if attainment is not None else one("slo_gauge"),
         arrival_rate_rps=finished, images_per_request=_ratio(one("images"), finished),
         prompt_tokens_per_request=_ratio(one("prompt"), finished),
@@ -243,6 +293,11 @@ def snapshot_from_scrapes(prev: dict[Sample, float] | None, cur: dict[Sample, fl
     queues, instances = _queues(by_role(f"{W}_requests", state="waiting"), by_role(f"{F}_instance_load"),
                                 by_role(f"{F}_instance_ready"), per_stage)
     snap = Snapshot(at=time.time() if now is None else now, source="scrape", queues=queues, instances=instances)
+    snap.decode = _decode_load(by_role(f"{W}_requests", state="running"), by_role(f"{W}_max_num_seqs"),
+                               by_role(f"{W}_cache_blocks", cache="kv", state="used"),
+                               by_role(f"{W}_cache_blocks", cache="kv", state="free"))
+    video = _rows(cur, f"{F}_video_queued_gop_sets")
+    snap.video_queued_gop_sets = sum(v for _, v in video) if video else None
     gauge = _rows(cur, f"{F}_slo_attainment")
     snap.slo_attainment = sum(v for _, v in gauge) / len(gauge) if gauge else None
     if prev is None or not dt_s or dt_s <= 0:
@@ -257,6 +312,7 @@ def snapshot_from_scrapes(prev: dict[Sample, float] | None, cur: dict[Sample, fl
         snap.slo_attainment = met / (met + missed)
     snap.ttft_p90_s = _bucket_quantile(0.9, prev, cur, f"{F}_time_to_first_token_seconds")
     snap.tbt_p90_s = _bucket_quantile(0.9, prev, cur, f"{F}_time_between_tokens_seconds")
+    snap.tpot_p90_s = _bucket_quantile(0.9, prev, cur, f"{F}_time_per_output_token_seconds")
     snap.arrival_rate_rps = finished
     snap.images_per_request = _ratio(rate(f"{F}_images_total"), finished)
     snap.prompt_tokens_per_request = _ratio(rate(f"{F}_prompt_tokens_total"), finished)

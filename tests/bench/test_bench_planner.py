@@ -36,6 +36,18 @@ def test_shift_trace_is_two_phases_of_the_given_shapes_in_order() -> None:
     assert after[0].t > before[-1].t
 
 
+def test_output_shift_keeps_the_requests_and_lengthens_the_outputs() -> None:
+    # EPDServe Table 6: outputs 50 -> 500 tokens, images and prompts unchanged
+    trace, n_before = shift_trace(shift_args("--shift", "outputs", "--rate", "2", "--phase-seconds", "5"))
+    before, after = trace[:n_before], trace[n_before:]
+    assert all(len(r.images) == 1 and r.prompt_tokens == 32 and r.output_tokens == 50 for r in before)
+    assert all(len(r.images) == 1 and r.prompt_tokens == 32 and r.output_tokens == 500 for r in after)
+    trace, n_before = shift_trace(shift_args("--shift", "outputs", "--phase-seconds", "5", "--before-output", "20",
+                                             "--after-output", "200", "--after-images", "0"))
+    assert {(len(r.images), r.output_tokens) for r in trace[n_before:]} == {(0, 200)}
+    assert {(len(r.images), r.output_tokens) for r in trace[:n_before]} == {(1, 20)}
+
+
 def test_planner_gets_the_bench_thresholds_and_no_encoder_scaling() -> None:
     a = planner_args(shift_args("--interval", "1.5", "--sustain", "4"))
     assert a[a.index("--interval") + 1] == "1.5" and a[a.index("--sustain") + 1] == "4"

@@ -58,3 +58,45 @@ def test_serve_autoscale_runs_the_planner_on_the_real_router() -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_parked_v_standby_scales_v_through_the_local_connector() -> None:
+    """`--autoscale-video-standby 1`: a V process started parked (the router lists it
+    `unassigned` + video, the planner does not count it); the local connector's V scale-up
+    un-parks it (the router then routes video to two V), scale-down parks one again."""
+    from triptych.operator.planner.local_connector import LocalConnector
+    from triptych.topology import InstanceType
+
+    port, planner_port = free_port(), free_port()
+    token = "test-admin-token-v-standby"
+    proc = subprocess.Popen([sys.executable, "-m", "triptych.cli", "serve", "--model", "tiny", "--topology",
+                             "1V1E1P1D", "--port", str(port), "--autoscale", "--planner-port", str(planner_port),
+                             "--autoscale-video-standby", "1", "--autoscale-args", "--dry-run --interval 0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "TRIPTYCH_ADMIN_TOKEN": token})
+    router = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        line = ""
+        while "planner:" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "serve exited before starting the planner"
+        conn = LocalConnector(router, token)
+        try:
+            roles = {i["instance_id"]: (i["role"], i.get("video")) for i in conn.instances()}
+            assert roles["V-s0"] == ("unassigned", True) and roles["V-0"] == ("V", True)
+            assert conn.counts() == {InstanceType.V: 1, InstanceType.E: 1, InstanceType.P: 1, InstanceType.D: 1}
+            conn.set_replicas(InstanceType.V, 2)
+            assert conn.counts()[InstanceType.V] == 2
+            assert httpx.get(f"{router}/health", timeout=5).json()["stages"]["video_decode"] == 2
+            conn.set_replicas(InstanceType.V, 1)
+            roles = {i["instance_id"]: i["role"] for i in conn.instances()}
+            assert sorted(r for r in roles.values() if r in ("V", "unassigned")) == ["V", "unassigned"]
+            assert httpx.get(f"{router}/health", timeout=5).json()["stages"]["video_decode"] == 1
+        finally:
+            conn.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

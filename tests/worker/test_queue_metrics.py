@@ -25,8 +25,12 @@ class FakeEngine:
         self.role, self.scheduler = role, scheduler
 
     def stats(self) -> dict:
-        return {"num_waiting": len(self.scheduler.waiting), "num_running": 0, "num_parked": 0,
-                "counters": self.scheduler.counters.as_dict()}
+        out = {"num_waiting": len(self.scheduler.waiting), "num_running": len(self.scheduler.running),
+               "num_parked": 0, "max_num_seqs": self.scheduler.config.max_num_seqs,
+               "counters": self.scheduler.counters.as_dict()}
+        if self.scheduler.kv is not None:
+            out["kv_cache"] = {"used": self.scheduler.kv.num_used, "free": self.scheduler.kv.num_free}
+        return out
 
     def queued_work(self) -> dict[Stage, QueuedWork]:
         return self.scheduler.queued_work()
@@ -66,3 +70,6 @@ def test_worker_queue_gauges_feed_the_planner_snapshot() -> None:
     q = snap.queues
     assert (q["encode"].requests, q["encode"].images) == (3.0, 4.0)  # summed over e0 and e1
     assert (q["prefill"].requests, q["prefill"].tokens, q["decode"].requests) == (2.0, 37.0, 0.0)
+    # decode pressure: seats and KV of the decoding instance only (pd0: max_num_seqs 8, 64 blocks)
+    assert 'triptych_worker_max_num_seqs{instance="pd0",role="PD"} 8.0' in pd
+    assert (snap.decode.seats, snap.decode.running, snap.decode.kv_total_blocks) == (8.0, 0.0, 64.0)

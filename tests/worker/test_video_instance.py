@@ -197,3 +197,21 @@ def test_nvdec_v_instance_parts_match_a_pyav_decode() -> None:
     # NVDEC's YUV->RGB rounding differs from swscale's by a level or two of 255; the
     # patches are normalized (std ~0.27): a mean difference well under 0.05 is the same video.
     assert float(np.abs(rows - want.pixel_values_videos).mean()) < 0.05
+
+
+def test_parked_v_is_a_standby_that_still_decodes(v_client: TestClient) -> None:
+    # the planner's V scaling (local): parked, /health says unassigned (the router picks it
+    # for no new video) and marks it a video decoder; GOP sets sent to it still decode
+    data = clip(9)
+    seg = _segments(data)[0]
+    assert v_client.put(f"/internal/video/{seg.video_id}", content=data).status_code == 204
+    try:
+        assert v_client.post("/admin/role", json={"role": "unassigned"}).status_code == 200
+        health = v_client.get("/health").json()
+        assert (health["role"], health["video"], health["status"]) == ("unassigned", True, "ok")
+        r = _post(v_client, data, seg, request_id="r-parked")
+        assert r.status_code == 200, r.text
+    finally:
+        assert v_client.post("/admin/role", json={"role": "V"}).status_code == 200
+    assert v_client.get("/health").json()["role"] == "V"
+    assert v_client.post("/admin/role", json={"role": "E"}).status_code == 409

@@ -400,6 +400,7 @@ class Engine:
                 "num_waiting": len(sched.waiting) + sum(1 for k, _ in self._inbox if k == "add"),
                 "num_running": len(sched.running),
                 "num_parked": len(sched.parked),
+                "max_num_seqs": self.config.max_num_seqs,
                 "counters": sched.counters.as_dict(),
             }
             if self.kv is not None:

@@ -17,6 +17,7 @@ class StubRouter:
     instances: list[dict[str, Any]]  # instance_id, role, ready, load
     waiting: dict[str, float] = field(default_factory=dict)  # instance id -> waiting requests
     refuse: bool = False
+    video_gop_sets: float | None = None  # the router's triptych_frontend_video_queued_gop_sets
     calls: list[tuple[dict[str, Any], str | None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -73,6 +74,9 @@ class StubRouter:
         for i in self.instances:
             lines.append(f'triptych_frontend_instance_load{{instance="{i["instance_id"]}",role="{i["role"]}"}} '
                          f'{i.get("load", 0)}')
+        if self.video_gop_sets is not None:
+            lines += ["# TYPE triptych_frontend_video_queued_gop_sets gauge",
+                      f"triptych_frontend_video_queued_gop_sets {self.video_gop_sets}"]
         return "\n".join(lines) + "\n"
 
     def worker_metrics(self, instance: str) -> str:

@@ -54,6 +54,17 @@ triptych_frontend_instance_load{instance="e-0",role="E"} 24
 triptych_frontend_instance_load{instance="p-0",role="P"} 0
 """
 
+# GOP sets queued for the V instances (the router's gauge): 40 over 1 V.
+DEEP_VIDEO = """\
+# TYPE triptych_frontend_instance_ready gauge
+triptych_frontend_instance_ready{instance="e-0",role="E"} 1
+triptych_frontend_instance_ready{instance="p-0",role="P"} 1
+triptych_frontend_instance_ready{instance="d-0",role="D"} 1
+triptych_frontend_instance_ready{instance="v-0",role="V"} 1
+# TYPE triptych_frontend_video_queued_gop_sets gauge
+triptych_frontend_video_queued_gop_sets 40
+"""
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -135,10 +146,11 @@ def admin_headers(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
 
 
 def spec(port: int, prom: str, topology: dict[str, int], **auto: Any) -> dict[str, Any]:
+    video = [{"name": "dec", "instanceTypes": ["V"], "port": port}] if topology.get("V") else []
     return {
         "model": {"source": {"tiny": "qwen2-vl"}, "dtype": "float32"},
         "topology": topology,
-        "pools": [{"name": "cpu", "port": port}],
+        "pools": [{"name": "cpu", "port": port}, *video],
         "autoscaling": {"enabled": True, "prometheusUrl": prom, "intervalSeconds": 1, "sustain": 2,
                         "roleSwitchCooldownSeconds": 600, "scaleUpCooldownSeconds": 600,
                         "scaleDownCooldownSeconds": 600, **auto},
@@ -246,6 +258,23 @@ async def test_a_deep_encode_queue_adds_an_encoder_pod(env: Env, tmp_path: Path,
     await wait_for(lambda: sorted(r for r in roles(env).values() if r) == ["D", "E", "E", "P"],
                    what="the new pod serving E")
     assert plan(env)["last_action"]["rule"] == "encoder"
+
+
+async def test_a_deep_video_queue_adds_a_v_pod(env: Env, tmp_path: Path, admin_headers: list) -> None:
+    with exporter(DEEP_VIDEO) as target, prometheus(target, tmp_path) as prom:
+        await start(env, prom, {"E": 1, "P": 1, "D": 1, "V": 1}, limits={"V": {"min": 1, "max": 2}},
+                    encoderScaling=False)
+        await wait_for(lambda: events(env, "PlannerScale"), timeout=60, what="the planner's V scale-up")
+    assert "scale V by +1" in events(env, "PlannerScale")[0]
+    # the V pool's Deployment grows; the model pool's does not
+    assert env.api.get("apps/v1/deployments", "demo-dec")["spec"]["replicas"] == 2
+    assert env.api.get("apps/v1/deployments", "demo-cpu")["spec"]["replicas"] == 3
+    topo = {k: v for k, v in env.cluster.mllm("demo")["spec"]["topology"].items() if v}
+    assert topo == {"E": 1, "P": 1, "D": 1, "V": 2}
+    await env.cluster.reconcile_replicas()  # the ReplicaSet creates the pod; reconcile gives it role V
+    await wait_for(lambda: sorted(r for r in roles(env).values() if r) == ["D", "E", "P", "V", "V"],
+                   what="the new pod serving V")
+    assert plan(env)["last_action"]["rule"] == "video" and plan(env)["counts"]["V"] == 2
 
 
 async def _settle(seconds: float) -> None:

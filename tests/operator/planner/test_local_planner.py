@@ -127,6 +127,42 @@ def test_encoder_scale_up_without_a_standby_is_an_error() -> None:
         stub.close()
 
 
+def test_video_scaling_unparks_a_standby_v_then_parks_it_again() -> None:
+    # a parked V reports `unassigned` with "video": true; the engine standby must not be taken for V
+    stub = StubRouter(TOKEN, [inst("E-0", "E"), inst("P-0", "P"), inst("D-0", "D"), inst("V-0", "V"),
+                              inst("unassigned-0", "unassigned"), {**inst("V-s1", "unassigned"), "video": True}],
+                      video_gop_sets=24)
+    try:
+        cfg = CFG.model_copy(update={"video_up": 8, "video_down": 1, "scale_up_cooldown_s": 0,
+                                     "scale_down_cooldown_s": 0, "divergence_on": 9.0})
+        p, clock = planner(stub, cfg)
+        ticks(p, clock, 2)  # 24 queued GOP sets on 1 V, for 2 snapshots
+        assert stub.switched() == [("V-s1", "V")]
+        assert p.driver.document().last_action.rule == "video"
+        ticks(p, clock, 2)  # 12 per V: inside the band
+        assert len(stub.switched()) == 1
+        stub.video_gop_sets = 0  # the video queue drains
+        stub.instances[3]["load"] = 2  # V-0 is busier: V-s1 parks
+        ticks(p, clock, 2)
+        assert stub.switched()[1:] == [("V-s1", "unassigned")]
+        assert p.driver.document().counts == {"E": 1, "P": 1, "D": 1, "V": 1}
+        assert all(auth == f"Bearer {TOKEN}" for _, auth in stub.calls)
+    finally:
+        stub.close()
+
+
+def test_video_scale_up_without_a_video_standby_is_an_error() -> None:
+    stub = StubRouter(TOKEN, [inst("E-0", "E"), inst("P-0", "P"), inst("D-0", "D"), inst("V-0", "V"),
+                              inst("unassigned-0", "unassigned")], video_gop_sets=40)
+    try:
+        p, clock = planner(stub, CFG.model_copy(update={"scale_up_cooldown_s": 0, "divergence_on": 9.0}))
+        ticks(p, clock, 2)
+        assert stub.calls == []  # the engine standby is not a video decoder
+        assert "autoscale-video-standby" in (p.driver.document().actuation_error or "")
+    finally:
+        stub.close()
+
+
 def test_the_endpoint_serves_metrics_and_the_plan(router: StubRouter) -> None:
     p, clock = planner(router)
     ticks(p, clock, 2)

@@ -3,6 +3,8 @@ the /plan document, dry run."""
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -10,7 +12,7 @@ from triptych.operator.planner.connectors import RecordingConnector, apply
 from triptych.operator.planner.driver import Driver, DriverConfig, PlannerMetrics, Replan, method_of
 from triptych.operator.planner.policy import PolicyConfig, Proposal
 from triptych.operator.planner.replanner import window_spec
-from triptych.operator.planner.signals import Snapshot, StageQueue
+from triptych.operator.planner.signals import DecodeLoad, Snapshot, StageQueue
 from triptych.topology import InstanceType as T
 
 EPD = {T.E: 2, T.P: 2, T.D: 2}
@@ -83,6 +85,21 @@ def test_metrics_count_decisions_by_action_and_rule_and_show_the_snapshot() -> N
     assert got[("triptych_planner_instances", (dep, ("type", "P")))] == 3  # after the switch was applied
     assert got[("triptych_planner_trigger", (dep, ("trigger", "diverged")))] == 1
     assert got[("triptych_planner_last_decision_timestamp_seconds", (dep,))] == 1030.0
+    assert math.isnan(got[("triptych_planner_decode_seats_used", (dep,))])  # no seats exported: unknown
+
+
+def test_metrics_show_decode_pressure_and_the_video_queue() -> None:
+    metrics = PlannerMetrics(deployment="demo")
+    driver = Driver(CFG, metrics=metrics, clock=Clock())
+    s = snap().model_copy(update={"tpot_p90_s": 0.07, "video_queued_gop_sets": 5.0,
+                                  "decode": DecodeLoad(running=6, seats=8, kv_used_blocks=30, kv_total_blocks=120)})
+    driver.observe(s, EPD)
+    got = samples(metrics)
+    dep = (("deployment", "demo"),)
+    assert got[("triptych_planner_tpot_p90_seconds", dep)] == 0.07
+    assert got[("triptych_planner_decode_seats_used", dep)] == 0.75
+    assert got[("triptych_planner_decode_kv_used", dep)] == 0.25
+    assert got[("triptych_planner_video_queued_gop_sets", dep)] == 5.0
 
 
 def test_dry_run_records_but_the_counts_stay() -> None:

@@ -132,7 +132,8 @@ RECORDED = {
     "ttft_p90": vector(({}, 0.8)), "tbt_p90": vector(({}, 0.04)),
     "slo_met": vector(({}, 1.5)), "slo_all": vector(({}, 2.0)), "slo_gauge": vector(({}, 0.7)),
     "finished": vector(({}, 2.0)), "images": vector(({}, 4.0)), "prompt": vector(({}, 200.0)),
-    "output": vector(({}, 60.0)),
+    "output": vector(({}, 60.0)), "tpot_p90": vector(), "running": vector(), "seats": vector(),
+    "kv_used": vector(), "kv_free": vector(), "video_gop_sets": vector(),
 }
 
 
@@ -180,3 +181,59 @@ def test_prometheus_per_stage_worker_queues_win_over_estimates() -> None:
     q = s.queues
     assert (q["encode"].requests, q["prefill"].requests, q["decode"].requests) == (3, 1, 0)
     assert (q["prefill"].tokens, q["encode"].images) == (4321, 7)
+
+
+# --- decode pressure and video decode queues --------------------------------------------------
+DECODE_WORKERS = """\
+# HELP triptych_worker_requests Requests on this instance by state
+# TYPE triptych_worker_requests gauge
+triptych_worker_requests{instance="p0",role="P",state="running"} 3.0
+triptych_worker_requests{instance="d0",role="D",state="running"} 7.0
+triptych_worker_requests{instance="pd0",role="PD",state="running"} 5.0
+# HELP triptych_worker_max_num_seqs Requests this instance runs at most at once
+# TYPE triptych_worker_max_num_seqs gauge
+triptych_worker_max_num_seqs{instance="p0",role="P"} 8.0
+triptych_worker_max_num_seqs{instance="d0",role="D"} 8.0
+triptych_worker_max_num_seqs{instance="pd0",role="PD"} 12.0
+# HELP triptych_worker_cache_blocks Cache blocks by cache and state
+# TYPE triptych_worker_cache_blocks gauge
+triptych_worker_cache_blocks{cache="kv",instance="p0",role="P",state="used"} 90.0
+triptych_worker_cache_blocks{cache="kv",instance="p0",role="P",state="free"} 10.0
+triptych_worker_cache_blocks{cache="kv",instance="d0",role="D",state="used"} 30.0
+triptych_worker_cache_blocks{cache="kv",instance="d0",role="D",state="free"} 70.0
+triptych_worker_cache_blocks{cache="kv",instance="pd0",role="PD",state="used"} 50.0
+triptych_worker_cache_blocks{cache="kv",instance="pd0",role="PD",state="free"} 50.0
+triptych_worker_cache_blocks{cache="mm",instance="pd0",role="PD",state="used"} 999.0
+"""
+
+
+def test_scraped_decode_pressure_counts_the_decoding_roles_only() -> None:
+    m = FrontendMetrics("m", ttft_slo_s=1.0, tbt_slo_s=0.1, registry=CollectorRegistry())
+    video = "# TYPE triptych_frontend_video_queued_gop_sets gauge\ntriptych_frontend_video_queued_gop_sets 6.0\n"
+    before = parse_metrics([generate_latest(m.registry).decode(), DECODE_WORKERS, video])
+    for _ in range(10):
+        finish(m, 0.2, [0.3] * 3)  # TPOT 0.3 s for every request
+    after = parse_metrics([generate_latest(m.registry).decode(), DECODE_WORKERS, video])
+    s = snapshot_from_scrapes(before, after, 10.0, now=1.0)
+    # D and PD decode, P does not: 12 running of 20 seats, 80 of 200 KV blocks (mm not counted)
+    assert (s.decode.running, s.decode.seats, s.decode.kv_used_blocks, s.decode.kv_total_blocks) == (12, 20, 80, 200)
+    assert s.decode.occupancy == pytest.approx(0.6) and s.decode.kv_use == pytest.approx(0.4)
+    assert s.tpot_p90_s is not None and 0.25 < s.tpot_p90_s <= 0.5  # the bucket holding 0.3
+    assert s.video_queued_gop_sets == 6.0
+
+
+def test_no_decode_signal_without_the_gauges() -> None:
+    s = snapshot_from_scrapes(None, parse_metrics([WORKERS]), None, now=1.0)
+    assert s.decode.occupancy is None and s.decode.kv_use is None and s.video_queued_gop_sets is None
+
+
+def test_prometheus_decode_pressure_and_video_queue() -> None:
+    rec = dict(RECORDED, tpot_p90=vector(({}, 0.12)),
+               running=vector(({"role": "P"}, 3), ({"role": "D"}, 7), ({"role": "PD"}, 5)),
+               seats=vector(({"role": "P"}, 8), ({"role": "D"}, 8), ({"role": "PD"}, 12)),
+               kv_used=vector(({"role": "P"}, 90), ({"role": "D"}, 30), ({"role": "PD"}, 50)),
+               kv_free=vector(({"role": "P"}, 10), ({"role": "D"}, 70), ({"role": "PD"}, 50)),
+               video_gop_sets=vector(({}, 9)))
+    s = snapshot_from_prometheus(prometheus(rec).query, "2m", now=5.0)
+    assert s.tpot_p90_s == 0.12 and s.video_queued_gop_sets == 9
+    assert s.decode.occupancy == pytest.approx(12 / 20) and s.decode.kv_use == pytest.approx(80 / 200)
