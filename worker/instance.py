@@ -99,7 +99,7 @@ class InstanceRuntime:
                 await self._onload(InstanceType(role))
                 after = self.engine.scheduler.counters.as_dict()
                 self.role = role
-                self._follow_handover(pending, moved, started)
+                self._follow_handover(pending, moved, started, migrated)
                 log.info("instance %s now serves role %s (in place)", self.settings.instance_id, role)
                 return {**_report(offloaded - started, migrated - offloaded, time.monotonic() - migrated,
                                   after["migrated_out"] - before["migrated_out"],
@@ -163,11 +163,13 @@ class InstanceRuntime:
             await asyncio.sleep(0.005)
         return sorted(moved)
 
-    def _follow_handover(self, pending: list[str], moved: list[str], started: float) -> None:
+    def _follow_handover(self, pending: list[str], moved: list[str], started: float, migrated: float) -> None:
         """Time the hand-overs a switch left parked until their pulls confirm (or their
         leases expire): `/admin/stats` `last_switch` says when the last one went, and which
         decodes moved (their request ids: a benchmark tells the migrated streams by them)."""
-        self.last_switch = {"handover_pending": len(pending), "handover_s": 0.0 if not pending else None,
+        # With nothing left parked, the hand-overs were pulled within the migrate phase.
+        self.last_switch = {"handover_pending": len(pending),
+                            "handover_s": round(migrated - started, 6) if not pending else None,
                             "migrated_ids": moved}
         if not pending:
             return
@@ -180,7 +182,7 @@ class InstanceRuntime:
                 if not set(pending) & set(engine.request_ids()):
                     record["handover_s"] = round(time.monotonic() - started, 6)
                     return
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.005)
 
         self._handover_task = asyncio.create_task(follow())
 
