@@ -99,3 +99,37 @@ async def test_the_plan_wait_never_outlasts_the_stage_deadline():
             await asyncio.wait_for(collect(cluster.orchestrator(plan_wait_s=60.0, stage_timeout_s=0.2),
                                            request()), GUARD_S)
         assert waits and all(w <= 0.2 for w in waits)
+
+
+async def test_an_instance_that_stops_answering_mid_switch_is_no_longer_waited_for():
+    """Only a switch that ends is waited for: a switch whose worker does not answer the
+    post-switch probe, or a worker that says it is switching and then stops answering
+    probes, no longer counts as switching (requests get their 503 at once)."""
+    import httpx
+
+    from triptych.router.registry import DEAD_AFTER_FAILURES, Registry
+    from triptych.topology import Stage
+
+    answering = True
+
+    async def health(request: httpx.Request) -> httpx.Response:
+        if not answering:
+            raise httpx.ConnectError("gone")
+        return httpx.Response(200, json={"role": "D", "status": "switching", "target_role": "P",
+                                         "instance_id": "D-0", "load": 0})
+
+    registry = Registry(urls=["http://d0"])
+    async with httpx.AsyncClient(transport=httpx.MockTransport(health)) as client:
+        await registry.refresh(client)
+        assert [i.url for i in registry.switching(Stage.DECODE)] == ["http://d0"]
+        answering = False
+        for _ in range(DEAD_AFTER_FAILURES - 1):
+            await registry.refresh(client)
+        assert registry.switching(Stage.DECODE)  # a probe or two may time out under load
+        await registry.refresh(client)
+        assert registry.switching(Stage.DECODE) == []
+
+        registry.mark_switching("http://d0", "P")
+        assert registry.switching(Stage.PREFILL)
+        await registry.switch_ended(client, "http://d0")
+        assert registry.switching(Stage.PREFILL) == [] and not registry.instances["http://d0"].ready
