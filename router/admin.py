@@ -82,8 +82,7 @@ def add_admin_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClient
             log.warning("role switch of %s failed: %s", inst.url, exc)
             return _error(502, f"instance {body.instance} did not answer the switch: {type(exc).__name__}")
         finally:
-            registry.mark_switching(inst.url, None)
-            await registry.refresh_one(client, inst)
+            await registry.switch_ended(client, inst.url)
         try:
             report = resp.json()
         except ValueError:

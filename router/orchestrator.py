@@ -26,6 +26,7 @@ from triptych.router.affinity import AffinityIndex, PrefixIndex
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
 from triptych.router.overhead import WaitClock, record_first_token
 from triptych.router.registry import Instance, Registry
+from triptych.router.relay import Relay, first_tokens
 from triptych.router.routing import (
     Chooser,
     Decision,
@@ -43,12 +44,10 @@ from triptych.stage_protocol import (
     EncodedEvent,
     FinishedEvent,
     KVSource,
-    MigratingEvent,
     MMItemSpec,
     MMSource,
     PrefilledEvent,
     StageRequest,
-    TokensEvent,
     VideoPart,
 )
 from triptych.topology import Stage
@@ -81,6 +80,10 @@ class OrchestratorConfig:
     # it — all switching, refusing, or unseen by the registry for a moment — wait this
     # long for one before failing the request.
     decode_wait_s: float = 10.0
+    # A request planned while every instance of a stage it needs is mid-switch (the only P
+    # or D changing role) waits this long — never past stage_timeout_s — for one to come
+    # back, instead of a 503; with none switching, the 503 is at once.
+    plan_wait_s: float = 10.0
 
 
 @dataclass
@@ -176,7 +179,7 @@ class Orchestrator:
             # and its engine refuses a second request under an id in use.
             req = replace(req, request_id=base_id if attempt == 0 else f"{base_id}.retry{attempt}")
             footprint.ids.append(req.request_id)
-            plan = self._plan(req, excluded)
+            plan = await self._plan(req, excluded)
             started = False
             try:
                 async for event in self._carry_out(req, plan, footprint):
@@ -197,19 +200,29 @@ class Orchestrator:
         raise BackendError(503, f"request failed on every attempt ({self.config.max_attempts}); try again later",
                            retry_after=self.config.retry_after_s)
 
-    def _plan(self, req: GenerationRequest, excluded: set[str]) -> Plan:
-        """The attempt's plan; its decisions are counted and its image placement remembered."""
+    async def _plan(self, req: GenerationRequest, excluded: set[str]) -> Plan:
+        """The attempt's plan; its decisions are counted and its image placement remembered.
+        With no instance for a stage but one mid-switch that runs it before or after, wait
+        (bounded) on the registry's change event for it to come back and plan again."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(self.config.plan_wait_s, self.config.stage_timeout_s)
+        while True:
+            try:
+                return self._plan_now(req, excluded)
+            except NoInstanceError as exc:
+                if not (self.registry.switching(exc.stage, excluded)
+                        and await self.registry.wait_for_change(deadline - loop.time())):
+                    self._decide(exc.stage, "no_instance")
+                    raise BackendError(503, str(exc), retry_after=self.config.retry_after_s) from exc
+
+    def _plan_now(self, req: GenerationRequest, excluded: set[str]) -> Plan:
         cfg = self.config
         prefix = (PrefixRouting(self.prefixes, req.prompt_token_ids, req.mm_items, cfg.prefix_weight,
                                 cfg.prefix_min_tokens)
                   if cfg.prefix_routing else None)
-        try:
-            plan = plan_request(self.registry, self.chooser, [m.content_hash for m in req.mm_items], excluded,
-                                parallel_encode=cfg.parallel_encode,
-                                affinity=self.affinity if cfg.cache_affinity else None, prefix=prefix)
-        except NoInstanceError as exc:
-            self._decide(exc.stage, "no_instance")
-            raise BackendError(503, str(exc), retry_after=self.config.retry_after_s) from exc
+        plan = plan_request(self.registry, self.chooser, [m.content_hash for m in req.mm_items], excluded,
+                            parallel_encode=cfg.parallel_encode,
+                            affinity=self.affinity if cfg.cache_affinity else None, prefix=prefix)
         self.metrics.decided(plan.decisions)
         for content_hash, url in plan.placement:
             self.affinity.remember(content_hash, url)
@@ -260,12 +273,12 @@ class Orchestrator:
             )
             footprint.urls.add(hop.instance.url)
             kv_source = None
-            relay = _Relay(req.sampling.n)
+            relay = Relay(req.sampling.n)
             async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
                 async for event in events:
                     if isinstance(event, PrefilledEvent):
                         kv_source = event.kv
-                        for token_event in _first_tokens(event.kv):
+                        for token_event in first_tokens(event.kv):
                             yield token_event
                     elif isinstance(event, FinishedEvent):
                         yield self._finished(hop.instance, event, hop.stages[-1])
@@ -343,7 +356,7 @@ class Orchestrator:
                                 mm_items=mm_items, kv_source=kv, sampling=req.sampling, grammar=req.grammar,
                                 timeout_s=self._deadline([Stage.DECODE], req))
             received = False
-            relay = _Relay(req.sampling.n)
+            relay = Relay(req.sampling.n)
             try:
                 async with aclosing(self.stages.run(target, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
                     async for event in events:
@@ -394,7 +407,7 @@ class Orchestrator:
                 self._decide(Stage.DECODE, "no_instance")
                 raise BackendError(503, "no decode instance to continue the request on",
                                    retry_after=self.config.retry_after_s)
-            await asyncio.sleep(pause)
+            await self.registry.wait_for_change(pause)  # an instance back in rotation ends it early
             pause = min(pause * 2, 0.5)
             refused.clear()
 
@@ -413,37 +426,6 @@ class Orchestrator:
                     return [MMSource(content_hash=e.content_hash, num_tokens=e.num_tokens, handle=e.handle)
                             for e in event.items]
         raise StageFailure(run.instance, f"{run.instance.url} ended the encode stage without a hand-over")
-
-
-class _Relay:
-    """One stage stream's token and migration events for a request of `n` choices: token
-    events go on to the client (tagged with their choice); `finish` counts finished
-    choices; decodes migrated off the instance are kept by choice for the caller."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.finished = 0
-        self.migrated: dict[int, KVSource] = {}
-
-    def finish(self) -> bool:
-        """A choice finished; True when every choice not migrated has."""
-        self.finished += 1
-        return self.finished + len(self.migrated) >= self.n and not self.migrated
-
-    def tokens(self, event: object) -> list[TokenEvent]:
-        if isinstance(event, MigratingEvent):
-            self.migrated[event.index] = event.kv
-        elif isinstance(event, TokensEvent):
-            return [TokenEvent(token_ids=event.token_ids, index=event.index, logprobs=event.logprobs)]
-        return []
-
-
-def _first_tokens(kv: KVSource) -> list[TokenEvent]:
-    """A prefill's hand-over: the first token of each choice (choice 0's is `first_token`)."""
-    out = [TokenEvent(token_ids=[kv.first_token], logprobs=[kv.first_logprob] if kv.first_logprob else None)]
-    out += [TokenEvent(token_ids=[c.token], index=i, logprobs=[c.logprob] if c.logprob else None)
-            for i, c in enumerate(kv.choices, start=1)]
-    return out
 
 
 def _with_parts(items: list[MMItemSpec], encoded_here: Sequence[str],

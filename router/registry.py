@@ -17,6 +17,10 @@ from triptych.topology import InstanceType, Stage
 
 log = logging.getLogger("triptych.router.registry")
 
+# Failed health probes in a row after which an instance that said it was switching is no
+# longer taken to be (requests stop waiting for it to come back).
+DEAD_AFTER_FAILURES = 3
+
 
 @dataclass
 class Instance:
@@ -50,9 +54,35 @@ class Registry:
     poll_interval_s: float = 1.0
     timeout_s: float = 2.0
     instances: dict[str, Instance] = field(default_factory=dict)
+    # Set (and replaced) whenever an instance's rotation state changes — back from a switch,
+    # a role seen anew, ready again: requests waiting for an instance (`wait_for_change`)
+    # wake on it instead of polling.
+    _changed: asyncio.Event | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.set_urls(self.urls)
+
+    def switching(self, stage: Stage, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
+        """Instances out of rotation for a while only — mid-switch — that ran `stage`
+        before it or will after it (a switch that fails keeps the old role)."""
+        return [i for i in self.instances.values() if i.switching_to is not None and i.url not in exclude
+                and ((i.role is not None and i.role.runs(stage))
+                     or (i.switching_to in InstanceType.__members__ and InstanceType(i.switching_to).runs(stage)))]
+
+    async def wait_for_change(self, timeout_s: float) -> bool:
+        """Wait until an instance's rotation state changes (True), or `timeout_s` (False)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._changed.wait(), max(0.0, timeout_s))
+            return True
+        except TimeoutError:
+            return False
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None  # the next waiter waits for the next change
 
     def set_urls(self, urls: list[str]) -> None:
         """Replace the discovered set (pods come and go); known instances keep their state."""
@@ -81,13 +111,27 @@ class Registry:
     async def refresh_one(self, client: httpx.AsyncClient, inst: Instance) -> None:
         await self._probe(client, inst)
 
-    async def _probe(self, client: httpx.AsyncClient, inst: Instance) -> None:
+    async def switch_ended(self, client: httpx.AsyncClient, url: str) -> None:
+        """A switch through the router is over: drop probes answered during it, and let a
+        fresh probe say what the instance serves now — it stays marked switching until
+        then, so requests waiting for its role keep waiting rather than fail in between."""
+        inst = self.instances.get(url)
+        if inst is None:
+            return
+        inst.epoch += 1
+        if not await self._probe(client, inst):
+            inst.switching_to = None  # no answer: what it serves is unknown, not "soon"
+            self._notify()
+
+    async def _probe(self, client: httpx.AsyncClient, inst: Instance) -> bool:
+        """Update `inst` from its /health; False when it did not answer."""
         epoch = inst.epoch
         try:
             resp = await client.get(f"{inst.url}/health", timeout=self.timeout_s)
             body = resp.json()
             if inst.epoch != epoch:
-                return
+                return True
+            was = _rotation(inst)
             role = body.get("role")
             inst.role = InstanceType(role) if role in InstanceType.__members__ else None
             inst.ready = resp.status_code == 200 and body.get("status") == "ok"
@@ -98,24 +142,31 @@ class Registry:
             inst.block_size = max(1, int(body.get("block_size", inst.block_size)))
             inst.video = bool(body.get("video", False))
             inst.failures = 0
+            if _rotation(inst) != was:
+                self._notify()
+            return True
         except (httpx.HTTPError, ValueError) as exc:
             if inst.epoch != epoch:
-                return
+                return False
             inst.failures += 1
             inst.ready = False
+            if inst.failures >= DEAD_AFTER_FAILURES:
+                inst.switching_to = None  # not answering: no longer known to be mid-switch
             log.debug("health probe of %s failed: %s", inst.url, exc)
+            return False
 
     def by_instance_id(self, instance_id: str) -> Instance | None:
         return next((i for i in self.instances.values() if i.instance_id == instance_id), None)
 
     def mark_switching(self, url: str, role: str | None) -> None:
         """Out of rotation while it switches (at once, not at the next probe); `None` when
-        the switch is over (the next probe says what it serves)."""
+        the switch is over (the next probe says what it serves; `switch_ended` probes)."""
         inst = self.instances.get(url)
         if inst is not None:
             inst.switching_to = role
             inst.ready = inst.ready and role is None
             inst.epoch += 1
+            self._notify()
 
     def mark_failed(self, url: str) -> None:
         """Take an instance out of rotation until its next successful probe."""
@@ -131,3 +182,8 @@ class Registry:
                 await asyncio.wait_for(stop.wait(), timeout=self.poll_interval_s)
             except TimeoutError:
                 pass
+
+
+def _rotation(inst: Instance) -> tuple[object, ...]:
+    """What routing sees of an instance: a change of it wakes the waiters."""
+    return inst.ready, inst.draining, inst.role, inst.switching_to

@@ -40,6 +40,10 @@ class InstanceRuntime:
         self.transfer_bytes: dict[str, int] = {}  # transport -> bytes pulled, across roles
         self.video_puller = VideoPuller(settings.video_buffer_mb << 20, self.transfer_bytes)
         self._switch_lock = asyncio.Lock()
+        # The last in-place switch's hand-overs: how many it left parked, and when the last
+        # was pulled (seconds from the switch's start; None while one is pending).
+        self.last_switch: dict[str, Any] = {}
+        self._handover_task: asyncio.Task[None] | None = None
         # Image decode and preprocessing run here, never on the event loop (admission.py).
         self.decode_pool = DecodePool(settings.decode_threads, settings.decode_queue)
 
@@ -85,17 +89,24 @@ class InstanceRuntime:
                 if self.engine is None or role == UNASSIGNED:
                     return await self._rebuild(role, started)
                 before = dict(self.engine.scheduler.counters.as_dict())
+                # P <-> D keeps the KV cache: hand-overs parked in it (migrated decodes, prefills'
+                # KV) need not be pulled before the new role serves; they stay under their
+                # leases and are released on confirm or expiry (`_follow_handover`).
+                keep_parked = self.engine.role.needs_language and InstanceType(role).needs_language
                 await self._offload()
                 offloaded = time.monotonic()
-                await self._migrate()
+                moved = await self._migrate(keep_parked)
                 migrated = time.monotonic()
+                pending = self.engine.parked_ids()
                 await self._onload(InstanceType(role))
                 after = self.engine.scheduler.counters.as_dict()
                 self.role = role
+                self._follow_handover(pending, moved, started, migrated)
                 log.info("instance %s now serves role %s (in place)", self.settings.instance_id, role)
-                return _report(offloaded - started, migrated - offloaded, time.monotonic() - migrated,
-                               after["migrated_out"] - before["migrated_out"],
-                               after["handed_back"] - before["handed_back"])
+                return {**_report(offloaded - started, migrated - offloaded, time.monotonic() - migrated,
+                                  after["migrated_out"] - before["migrated_out"],
+                                  after["handed_back"] - before["handed_back"]),
+                        "handover_pending": len(pending)}
             finally:
                 self.switching, self.target_role = False, None
 
@@ -126,24 +137,56 @@ class InstanceRuntime:
         while engine.has_pending_inbox and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
 
-    async def _migrate(self) -> None:
+    async def _migrate(self, keep_parked: bool) -> list[str]:
         """Wait until every request has left the engine (prefills finished and handed over,
-        decodes pulled by their new instance) and every stage run has ended."""
+        decodes parked and their `migrating` event sent to the router) and every stage run
+        has ended; unless `keep_parked`, also until every hand-over was pulled. Returns the
+        ids of the decodes migrated out."""
         engine = self.engine
         assert engine is not None
         deadline = time.monotonic() + self.settings.drain_timeout_s
-        while (engine.num_requests or self.inflight or self.preparing or self.leases_outstanding()) \
-                and time.monotonic() < deadline:
+        moved: set[str] = set()
+
+        def busy() -> bool:
+            moved.update(engine.parked_ids(Stage.DECODE))
+            held = engine.request_ids(parked=not keep_parked)
+            return bool(held or self.inflight or self.preparing or (not keep_parked and self.leases_outstanding()))
+
+        while busy() and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
-        if self.migration is not None and self.leases_outstanding():
+        if self.migration is not None and self.leases_outstanding() and not keep_parked:
             log.warning("switch: %d leases unconfirmed after %.0fs; freeing them", self.leases_outstanding(),
                         self.settings.drain_timeout_s)
             self.migration.free_all()
-        for request_id in engine.request_ids():
+        for request_id in engine.request_ids(parked=not keep_parked):
             log.warning("switch: aborting request %s that did not finish in time", request_id)
             self.abort(request_id)
-        while engine.num_requests and time.monotonic() < deadline + 5.0:
+        while engine.request_ids(parked=not keep_parked) and time.monotonic() < deadline + 5.0:
             await asyncio.sleep(0.005)
+        return sorted(moved)
+
+    def _follow_handover(self, pending: list[str], moved: list[str], started: float, migrated: float) -> None:
+        """Time the hand-overs a switch left parked until their pulls confirm (or their
+        leases expire): `/admin/stats` `last_switch` says when the last one went, and which
+        decodes moved (their request ids: a benchmark tells the migrated streams by them)."""
+        # With nothing left parked, the hand-overs were pulled within the migrate phase.
+        self.last_switch = {"handover_pending": len(pending),
+                            "handover_s": round(migrated - started, 6) if not pending else None,
+                            "migrated_ids": moved}
+        if not pending:
+            return
+        record = self.last_switch
+
+        async def follow() -> None:
+            engine = self.engine
+            deadline = time.monotonic() + self.settings.lease_seconds + self.settings.drain_timeout_s
+            while engine is self.engine and engine is not None and time.monotonic() < deadline:
+                if not set(pending) & set(engine.request_ids()):
+                    record["handover_s"] = round(time.monotonic() - started, 6)
+                    return
+                await asyncio.sleep(0.005)
+
+        self._handover_task = asyncio.create_task(follow())
 
     async def _onload(self, role: InstanceType) -> None:
         """Change the engine's role in place; re-register the caches it gained or lost."""
@@ -227,6 +270,7 @@ class InstanceRuntime:
         base: dict[str, Any] = {"role": self.role, "instance_id": self.settings.instance_id,
                                 "status": self.status, "inflight": self.inflight,
                                 "leases_outstanding": self.leases_outstanding(),
+                                "last_switch": dict(self.last_switch),
                                 "transport": self.transport,
                                 "transfer_bytes": dict(self.transfer_bytes)}
         if self.engine is not None:

@@ -34,3 +34,7 @@ def test_bench_switch_runs_the_cycle_and_loses_nothing(capsys: pytest.CaptureFix
         assert r["total_s"] > 0 and r["failed"] == 0, r
         assert r["total_s"] == pytest.approx(r["offload_s"] + r["migrate_s"] + r["onload_s"], abs=1e-5)
     assert all(r["requests"] == 4 for r in rows if r["loaded"])
+    for r in rows:
+        if r["migrated"]:  # the migrated streams were told apart (by request id) and measured
+            assert r["migrated_added_gaps"] is not None, r
+            assert r["handover_s"] is not None and r["handover_s"] >= r["offload_s"] + r["migrate_s"] - 1e-5, r

@@ -206,7 +206,9 @@ def test_sigterm_hands_long_decodes_to_the_other_decode_instance(epd4) -> None:
         os.killpg(victim.popen.pid, signal.SIGTERM)
         victim.popen.wait(60)
 
-    results, _ = asyncio.run(_run_while(model, dep, cases, terminate))
+    # SIGTERM once the victim runs decodes: 0.2 s after the start, on a loaded machine, the
+    # requests could still be prefilling, and the drain would find nothing to hand over.
+    results, _ = asyncio.run(_run_while(model, dep, cases, _when_decoding(victim.url, terminate, 2)))
     _assert_exact(model, cases, results)
     assert victim.popen.returncode is not None
     assert taken_over() > before  # the victim's running decodes went on there, not waited for

@@ -150,3 +150,32 @@ def test_a_switchable_d_to_p_allocates_nothing(qwen2_vl_dir: Path) -> None:
     assert mm is not None
     changed = e.set_role(InstanceType.P)
     assert changed.loaded == [] and changed.freed == [] and e.kv is kv and e.mm is mm
+
+
+def test_a_parked_decode_stays_in_its_blocks_across_d_to_p_until_released(qwen2_vl_dir: Path) -> None:
+    """A D -> P switch need not wait for its migrated decodes' pulls: the parked decode keeps
+    its KV blocks (held under its lease) in the kept KV cache, the new P serves meanwhile,
+    and the release frees them. A change that drops the KV cache still refuses it."""
+    proc = processor(qwen2_vl_dir)
+    case = next(c for c in make_cases(8) if not c.images)
+    e = _engine(qwen2_vl_dir, InstanceType.PD)
+    req = to_request(proc, case, "m", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                     stages={Stage.PREFILL, Stage.DECODE})
+    _steps_until(e, req, 4)
+    e.offload(migrate=True)
+    e.step()
+    assert req.status == RequestStatus.PARKED and e.parked_ids(Stage.DECODE) == ["m"]
+    held = e.kv.num_used
+    assert held > 0 and e.request_ids(parked=False) == []
+    with pytest.raises(RuntimeError, match="idle engine"):
+        e.set_role(InstanceType.E)  # the KV cache would go with the parked decode's blocks
+    e.set_role(InstanceType.P)
+    assert e.role == InstanceType.P and e.parked_ids() == ["m"] and e.kv.num_used == held
+    other = to_request(proc, case, "p", SamplingParams(temperature=0.0, max_tokens=4), stages={Stage.PREFILL})
+    (out,) = e.generate_batch([other])  # the new role serves while the hand-over is pending
+    assert out.handoff is not None and out.handoff.stage == Stage.PREFILL and len(out.output_token_ids) == 1
+    assert e.parked_ids() == ["m", "p"] and e.parked_ids(Stage.DECODE) == ["m"]
+    e.release("m")
+    e.release("p")
+    e.step()
+    assert e.parked_ids() == [] and e.request_ids() == [] and e.kv.num_used == 0

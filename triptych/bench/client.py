@@ -35,7 +35,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: bytes, timeout
     `.error` (HTTP status, error event, timeout, connection error)."""
     start = time.perf_counter()
     events: list[tuple[float, int, bool]] = []
-    seen, usage_total = 0, None
+    seen, usage_total, request_id = 0, None, None
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", url, content=body,
@@ -43,6 +43,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: bytes, timeout
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:300]
                     return RequestResult(error=f"HTTP {resp.status_code}: {detail}")
+                request_id = resp.headers.get("x-request-id")
                 async for line in resp.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -63,7 +64,9 @@ async def send_request(client: httpx.AsyncClient, url: str, body: bytes, timeout
         return RequestResult(error=f"timeout after {timeout_s:.0f}s")
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return RequestResult(error=f"{type(exc).__name__}: {exc}")
-    return timeline_result(events, time.perf_counter() - start, usage_total)
+    result = timeline_result(events, time.perf_counter() - start, usage_total)
+    result.request_id = request_id
+    return result
 
 
 @dataclass

@@ -41,6 +41,7 @@ class RequestResult:
     gaps: list[float] = field(default_factory=list)  # between consecutive output tokens
     num_tokens: int = 0
     error: str | None = None
+    request_id: str | None = None  # the router's X-Request-Id (the response's id)
 
     @property
     def ok(self) -> bool:

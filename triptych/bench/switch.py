@@ -9,8 +9,12 @@ D->X switch waits until the instance runs decodes, so that they migrate.
 
 For each stream it reports how much its largest inter-token gap exceeds its mean gap
 (TPOT), in mean gaps ("added gaps"): a decode moved to another instance mid-stream pauses once,
-for the pull and the hop. The maximum over every stream of the switch is an upper bound
-for the migrated ones (the client cannot tell which streams moved).
+for the pull and the hop. `migrated gaps` is the maximum over the streams that moved — the
+switched instance's `/admin/stats` `last_switch.migrated_ids` names them by request id (the
+router's X-Request-Id; a decode's later hops run as `<id>.dN`) — and `max added gaps` the
+maximum over every stream of the switch. `hand-over ms`: from the switch's start until the
+last decode it parked was pulled by its new instance (`last_switch.handover_s`; a P <-> D
+switch answers once its decodes are parked and handed to the router, before that).
 """
 
 from __future__ import annotations
@@ -101,10 +105,16 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                 results, report = asyncio.run(_streams_while(dep, bodies, during, cfg.request_timeout))
             failed = [r.error for r in results if not r.ok]
             added = [a for a in (added_gaps(r) for r in results if r.ok) if a is not None]
+            last = _last_switch(client, dep, inst["url"])
+            moved = {i.split(".")[0] for i in last.get("migrated_ids", [])}
+            moved_gaps = [a for a in (added_gaps(r) for r in results if r.ok and r.request_id in moved)
+                          if a is not None]
             row = {"switch": label, "loaded": loaded, **{k: report[k] for k in
                    ("offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back")},
+                   "handover_s": last.get("handover_s"),
                    "requests": len(results), "failed": len(failed),
-                   "max_added_gaps": round(max(added), 2) if added else None}
+                   "max_added_gaps": round(max(added), 2) if added else None,
+                   "migrated_added_gaps": round(max(moved_gaps), 2) if moved_gaps else None}
             progress(f"  {label} ({'loaded' if loaded else 'idle'}): total {report['total_s'] * 1000:.1f} ms, "
                      f"migrated {report['migrated']}, failed {len(failed)}")
             if failed:
@@ -112,6 +122,12 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             rows.append(row)
             time.sleep(cfg.settle)  # the router sees the new role at its next poll
     return rows
+
+
+def _last_switch(client: httpx.Client, dep: Any, url: str) -> dict[str, Any]:
+    """The instance's record of its last in-place switch (`/admin/stats` `last_switch`)."""
+    stats = client.get(f"{url}/admin/stats", headers=dep.admin_headers, timeout=10).json()
+    return stats.get("last_switch") or {}
 
 
 def _current_role(client: httpx.Client, dep: Any, instance_id: str) -> str:
@@ -141,14 +157,15 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = ("switch", "load", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "handed back",
-            "failed", "max added gaps")
+    head = ("switch", "load", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "hand-over ms",
+            "handed back", "failed", "migrated gaps", "max added gaps")
     rows = [head]
     for r in report["switches"]:
         rows.append((r["switch"], "streams" if r["loaded"] else "idle", fmt(r["offload_s"], 1000, 1),
                      fmt(r["migrate_s"], 1000, 1), fmt(r["onload_s"], 1000, 1), fmt(r["total_s"], 1000, 1),
-                     str(r["migrated"]), str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
-                     fmt(r["max_added_gaps"], 1, 2)))
+                     str(r["migrated"]), fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
+                     str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
+                     fmt(r["migrated_added_gaps"], 1, 2), fmt(r["max_added_gaps"], 1, 2)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
 

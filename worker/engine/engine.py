@@ -114,12 +114,18 @@ class Engine:
         no request (the instance offloads and migrates first)."""
         with self._lock:
             self._drain_inbox([])  # stray aborts / releases of requests already gone
-            if self._requests or self.scheduler.has_work:
+            # Hand-overs still parked (a migrated decode, a prefill's KV) wait for their pull
+            # under a lease: they may stay across a change that keeps the language model and
+            # its KV cache (P <-> D), in the same blocks, released on confirm or expiry.
+            parked = dict(self.scheduler.parked)
+            held = len(self._requests.keys() - parked.keys())
+            if held or self.scheduler.has_work or (parked and not role.needs_language):
                 raise RuntimeError(f"set_role needs an idle engine; {len(self._requests)} request(s) held")
             changed = change_parts(self, role)
             self.role = self.config.role = role
             self.migrating_out = False
             self._wire(self.scheduler.counters, self.output.eos_ids)
+            self.scheduler.parked.update(parked)
         return changed
 
     def offload(self, *, migrate: bool) -> None:
@@ -433,9 +439,18 @@ class Engine:
         """Requests the engine holds (queued, running, parked) or has yet to take in."""
         return len(self._known_ids | self._requests.keys())
 
-    def request_ids(self) -> list[str]:
+    def request_ids(self, *, parked: bool = True) -> list[str]:
+        """Every request held or to come in; without `parked`, those parked for a hand-over left out."""
         with self._lock:
-            return sorted(self._known_ids | self._requests.keys())
+            ids = self._known_ids | self._requests.keys()
+            return sorted(ids if parked else ids - self.scheduler.parked.keys())
+
+    def parked_ids(self, stage: Stage | None = None) -> list[str]:
+        """Requests parked for a hand-over (a pull by another instance releases them); with
+        `stage`, those handing over after it (DECODE: decodes migrated out)."""
+        with self._lock:
+            return sorted(i for i, r in self.scheduler.parked.items()
+                          if stage is None or (r.handoff is not None and r.handoff.stage == stage))
 
     def get_request(self, request_id: str) -> Request | None:
         return self._requests.get(request_id)

@@ -20,6 +20,7 @@ import torch
 
 from triptych.prefix_hash import BlockHash
 from triptych.worker.engine.prefix_cache import PrefixCache
+from triptych.worker.engine.zeroed import zeroed
 
 
 class OutOfBlocksError(RuntimeError):
@@ -75,8 +76,7 @@ class KVCache:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.block_size = block_size
-        self.tensor = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim,
-                                  dtype=dtype, device=device)
+        self.tensor = zeroed((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype, device)
         self.allocator = BlockAllocator(num_blocks, shuffle_seed)  # blocks holding no cached prefix
         self.prefix: PrefixCache | None = PrefixCache() if prefix_caching else None
         self._refs: dict[int, int] = {}  # referenced blocks -> number of references

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from triptych.worker.engine.kv_cache import BlockAllocator, OutOfBlocksError, blocks_for
+from triptych.worker.engine.zeroed import zeroed
 
 
 @dataclass(eq=False)
@@ -37,7 +38,7 @@ class MMCache:
             raise ValueError(f"need num_blocks >= 1 and rows_per_block >= 1, got {num_blocks}, {rows_per_block}")
         self.rows_per_block = rows_per_block
         self.device = torch.device(device)
-        self.tensor = torch.zeros(num_blocks, rows_per_block, hidden_size, dtype=dtype, device=device)
+        self.tensor = zeroed((num_blocks, rows_per_block, hidden_size), dtype, device)
         self.allocator = BlockAllocator(num_blocks, shuffle_seed)
         self._entries: OrderedDict[str, MMEntry] = OrderedDict()  # LRU order for eviction
 
