@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import anyio
 
 from triptych.router import logprobs
-from triptych.router.backend import BackendError
+from triptych.router.backend import BackendError, TokenEvent
 from triptych.router.errors import OpenAIError, from_backend
 from triptych.router.logprobs import TokenText
 from triptych.router.metrics import FrontendMetrics, RequestTimer
@@ -128,6 +128,25 @@ class EventPump:
                 self._done = True
                 raise self._head
 
+    def take_ready(self) -> Any | None:
+        """The next event if one is already queued (no wait), else None; the end of the
+        stream and a failure stay queued for `next`."""
+        if self._done:
+            return None
+        if self._head is self._EMPTY:
+            if self._queue.empty():
+                return None
+            self._head = self._queue.get_nowait()
+        if self._head is self._END or isinstance(self._head, BaseException):
+            return None
+        item, self._head = self._head, self._EMPTY
+        return item
+
+    def put_back(self, item: Any) -> None:
+        """Undo `take_ready`: `item` is the next event again."""
+        assert self._head is self._EMPTY
+        self._head = item
+
     async def next(self) -> Any | None:
         """The next event; None at the end; re-raises the backend's exception."""
         if self._done:
@@ -220,6 +239,23 @@ class Piece:
     logprobs: list[TokenLogprob] | None
 
 
+def _coalesce(event: Any, pump: EventPump) -> Any:
+    """`event` with the token events of the same choice already queued behind it: a
+    response that fell behind catches up in one chunk (one detokenize call, one JSON
+    encode, one write) instead of one per token. A finish ends the merge."""
+    while event.finish_reason is None:
+        more = pump.take_ready()
+        if more is None:
+            break
+        if more.index != event.index or (more.logprobs is None) != (event.logprobs is None):
+            pump.put_back(more)
+            break
+        event = TokenEvent(token_ids=[*event.token_ids, *more.token_ids], finish_reason=more.finish_reason,
+                           index=event.index,
+                           logprobs=None if event.logprobs is None else [*event.logprobs, *more.logprobs])
+    return event
+
+
 async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[Piece]:
     """Pieces as events arrive, until every choice has its finish_reason (the last piece
     of a choice carries it)."""
@@ -228,6 +264,7 @@ async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[Piece]:
         event = await pump.next()
         if event is None:
             raise BackendError(502, "the backend ended the stream without a finish reason")
+        event = _coalesce(event, pump)
         if not 0 <= event.index < len(job.choices):
             raise BackendError(502, f"the backend sent choice {event.index} of {len(job.choices)}")
         choice = job.choices[event.index]
