@@ -85,12 +85,18 @@ class StageClient:
                         raise BackendError(resp.status_code, _error_message(body), code=_error_code(body))
                     raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {body[:200]}",
                                        status=503 if resp.status_code in (429, 503) else 502)
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        event = _checked(inst, line)
-                        # The caller may stop reading at a terminal event: the hop succeeded.
-                        outcome = "ok" if _terminal(event) else outcome
-                        yield event
+                lines = resp.aiter_lines()
+                try:
+                    async for line in lines:
+                        if line.strip():
+                            event = _checked(inst, line)
+                            # The caller may stop reading at a terminal event: the hop succeeded.
+                            outcome = "ok" if _terminal(event) else outcome
+                            yield event
+                except GeneratorExit:
+                    if outcome == "ok":  # read the end of the answer: the connection goes back to the pool
+                        await _drain(lines)
+                    raise
             outcome = "ok"
         except StageFailure as failure:
             outcome = "error"
@@ -124,6 +130,17 @@ class StageClient:
 
         ids = list(request_ids)
         await asyncio.shield(asyncio.gather(*(one(u, i) for u in urls for i in ids)))
+
+
+async def _drain(lines: AsyncIterator[str], timeout_s: float = 1.0) -> None:
+    """Read what is left of a finished hop's answer (the worker ends it right after its
+    terminal event), so that httpx keeps the connection instead of closing it; bounded."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for _ in lines:
+                pass
+    except (TimeoutError, httpx.HTTPError):
+        pass
 
 
 def _checked(inst: Instance, line: str) -> StageEvent:

@@ -38,6 +38,9 @@ from triptych.stop_strings import StopMatcher
 log = logging.getLogger("triptych.router.streaming")
 
 DONE = b"data: [DONE]\n\n"
+# Every choice finished: how long the backend may take to end its streams by itself
+# before it is cancelled (normally the time to read the end of a worker's response).
+END_GRACE_S = 1.0
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -163,12 +166,20 @@ class EventPump:
             raise item
         return item
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 0.0) -> None:
         """Cancel the backend if it is still running (= abort the request) and wait for
-        its cleanup, at most abort_timeout_s; safe to call twice and from a cancelled scope."""
+        its cleanup, at most abort_timeout_s; safe to call twice and from a cancelled scope.
+        `grace_s`: after a response got every finish, the backend is only closing its
+        stage streams; let it end on its own that long first (a cancel would send aborts
+        for a finished request and drop the worker connection instead of reusing it)."""
         self._done = True
         if self._task.done():
             return
+        if grace_s > 0:
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({self._task}, timeout=grace_s)
+            if self._task.done():
+                return
         self._task.cancel()
         with anyio.CancelScope(shield=True):
             await asyncio.wait({self._task}, timeout=self._abort_timeout_s)
@@ -187,6 +198,7 @@ class Choice:
     output: OutputText
     text_offset: int = 0  # completions' logprobs: where the next token's text starts
     finish: str | None = None
+    backend_finished: bool = False  # the backend said it ended (not cut here: stop string, max_tokens)
 
 
 @dataclass
@@ -282,10 +294,17 @@ async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[Piece]:
             finish = "length"  # the backend overran max_tokens: end it here
         if finish is not None:
             choice.finish = finish
+            choice.backend_finished = event.finish_reason is not None
             live -= 1
             yield Piece(event.index, piece + out.finish(), finish, ids, lps)
         elif piece or (ids and (job.return_token_ids or job.logprobs)):
             yield Piece(event.index, piece, None, ids, lps)
+
+
+def _end_grace(job: Job) -> float:
+    """How long to let the backend end by itself: only when it finished every choice (a
+    choice cut here leaves it generating: that is aborted at once)."""
+    return END_GRACE_S if all(c.backend_finished for c in job.choices) else 0.0
 
 
 def _usage(job: Job) -> dict[str, int]:
@@ -312,6 +331,7 @@ async def collect(job: Job, pump: EventPump) -> dict[str, Any]:
             text[piece.index].append(piece.text)
             token_ids[piece.index] += piece.ids
             entries[piece.index] += piece.logprobs or []
+        await pump.close(_end_grace(job))
     finally:
         await pump.close()
     _finished(job)
@@ -418,7 +438,7 @@ async def sse_body(job: Job, pump: EventPump, scope: dict[str, Any], include_usa
             lps = job.render_logprobs(job.choices[piece.index], piece.logprobs)
             yield sse(_chunk(job, piece.text, piece.finish, include_usage, usage=usage_now(), ids=piece.ids,
                              index=piece.index, lps=lps, tool_calls=new_calls))
-        await pump.close()
+        await pump.close(_end_grace(job))
         _finished(job)
         if include_usage:
             final = {"id": job.request_id, "object": "chat.completion.chunk" if job.chat else "text_completion",
