@@ -1,6 +1,6 @@
 """The response side of a request: token events in, OpenAI JSON or SSE out.
 
-`EventPump` relays the backend's events (and its cancellation), `OutputText` turns token
+`EventPump` (event_pump.py) relays the backend's events (and its cancellation), `OutputText` turns token
 ids into text with stop strings applied, `collect` builds a non-streaming response and
 `sse_body` the `data: ...` stream that ends in `data: [DONE]`.
 
@@ -23,11 +23,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import anyio
-
 from triptych.router import logprobs
-from triptych.router.backend import BackendError, TokenEvent
+from triptych.router.backend import BackendError
 from triptych.router.errors import OpenAIError, from_backend
+from triptych.router.event_pump import EventPump, coalesce
 from triptych.router.logprobs import TokenText
 from triptych.router.metrics import FrontendMetrics, RequestTimer
 from triptych.router.protocol import ChatCompletionResponse, CompletionResponse
@@ -88,101 +87,6 @@ class OutputText:
         if self.stopped:
             return ""
         return self._matcher.add(self._detok.flush()) + self._matcher.flush()
-
-
-class EventPump:
-    """Consumes a backend's event iterator in a task of its own.
-
-    Why a task: a client disconnect cancels the response's anyio scope, and anyio keeps
-    re-cancelling every await inside that scope - a backend's abort calls in its
-    `finally` would be cut short. Behind the pump the backend sees exactly one
-    CancelledError (asyncio's edge-triggered kind) and `close` waits, shielded and
-    bounded, for its cleanup to finish."""
-
-    _END = object()
-    _EMPTY = object()
-
-    def __init__(self, events: AsyncIterator[Any], abort_timeout_s: float) -> None:
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._abort_timeout_s = abort_timeout_s
-        self._task = asyncio.create_task(self._run(events))
-        self._done = False
-        self._head: Any = self._EMPTY
-
-    async def _run(self, events: AsyncIterator[Any]) -> None:
-        try:
-            async for event in events:
-                self._queue.put_nowait(event)
-            self._queue.put_nowait(self._END)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # handed to the consumer, which reports it to the client
-            self._queue.put_nowait(exc)
-        finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    async def prime(self) -> None:
-        """Wait for the first item without consuming it (raises the backend's exception)."""
-        if self._head is self._EMPTY:
-            self._head = await self._queue.get()
-            if isinstance(self._head, BaseException):
-                self._done = True
-                raise self._head
-
-    def take_ready(self) -> Any | None:
-        """The next event if one is already queued (no wait), else None; the end of the
-        stream and a failure stay queued for `next`."""
-        if self._done:
-            return None
-        if self._head is self._EMPTY:
-            if self._queue.empty():
-                return None
-            self._head = self._queue.get_nowait()
-        if self._head is self._END or isinstance(self._head, BaseException):
-            return None
-        item, self._head = self._head, self._EMPTY
-        return item
-
-    def put_back(self, item: Any) -> None:
-        """Undo `take_ready`: `item` is the next event again."""
-        assert self._head is self._EMPTY
-        self._head = item
-
-    async def next(self) -> Any | None:
-        """The next event; None at the end; re-raises the backend's exception."""
-        if self._done:
-            return None
-        if self._head is not self._EMPTY:
-            item, self._head = self._head, self._EMPTY
-        else:
-            item = await self._queue.get()
-        if item is self._END:
-            self._done = True
-            return None
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        return item
-
-    async def close(self, grace_s: float = 0.0) -> None:
-        """Cancel the backend if it is still running (= abort the request) and wait for
-        its cleanup, at most abort_timeout_s; safe to call twice and from a cancelled scope.
-        `grace_s`: after a response got every finish, the backend is only closing its
-        stage streams; let it end on its own that long first (a cancel would send aborts
-        for a finished request and drop the worker connection instead of reusing it)."""
-        self._done = True
-        if self._task.done():
-            return
-        if grace_s > 0:
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait({self._task}, timeout=grace_s)
-            if self._task.done():
-                return
-        self._task.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.wait({self._task}, timeout=self._abort_timeout_s)
 
 
 # --- one request's response ---------------------------------------------------------------
@@ -251,23 +155,6 @@ class Piece:
     logprobs: list[TokenLogprob] | None
 
 
-def _coalesce(event: Any, pump: EventPump) -> Any:
-    """`event` with the token events of the same choice already queued behind it: a
-    response that fell behind catches up in one chunk (one detokenize call, one JSON
-    encode, one write) instead of one per token. A finish ends the merge."""
-    while event.finish_reason is None:
-        more = pump.take_ready()
-        if more is None:
-            break
-        if more.index != event.index or (more.logprobs is None) != (event.logprobs is None):
-            pump.put_back(more)
-            break
-        event = TokenEvent(token_ids=[*event.token_ids, *more.token_ids], finish_reason=more.finish_reason,
-                           index=event.index,
-                           logprobs=None if event.logprobs is None else [*event.logprobs, *more.logprobs])
-    return event
-
-
 async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[Piece]:
     """Pieces as events arrive, until every choice has its finish_reason (the last piece
     of a choice carries it)."""
@@ -276,7 +163,7 @@ async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[Piece]:
         event = await pump.next()
         if event is None:
             raise BackendError(502, "the backend ended the stream without a finish reason")
-        event = _coalesce(event, pump)
+        event = coalesce(event, pump)
         if not 0 <= event.index < len(job.choices):
             raise BackendError(502, f"the backend sent choice {event.index} of {len(job.choices)}")
         choice = job.choices[event.index]
