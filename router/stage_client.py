@@ -96,19 +96,25 @@ class StageClient:
                         raise BackendError(resp.status_code, _error_message(body), code=_error_code(body))
                     raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {body[:200]}",
                                        status=503 if resp.status_code in (429, 503) else 502)
-                async for line in resp.aiter_lines():
-                    if line.strip():
-                        waits.end()
-                        waiting = False
-                        if first:
-                            self.metrics.hop_phase_seconds.labels("first_event").observe(time.monotonic() - started)
-                            first = False
-                        event = _checked(inst, line)
-                        # The caller may stop reading at a terminal event: the hop succeeded.
-                        outcome = "ok" if _terminal(event) else outcome
-                        yield event
-                        waits.begin()
-                        waiting = True
+                lines = resp.aiter_lines()
+                try:
+                    async for line in lines:
+                        if line.strip():
+                            waits.end()
+                            waiting = False
+                            if first:
+                                self.metrics.hop_phase_seconds.labels("first_event").observe(time.monotonic() - started)
+                                first = False
+                            event = _checked(inst, line)
+                            # The caller may stop reading at a terminal event: the hop succeeded.
+                            outcome = "ok" if _terminal(event) else outcome
+                            yield event
+                            waits.begin()
+                            waiting = True
+                except GeneratorExit:
+                    if outcome == "ok":  # read the end of the answer: the connection goes back to the pool
+                        await _drain(lines)
+                    raise
             outcome = "ok"
         except StageFailure as failure:
             outcome = "error"
@@ -160,6 +166,17 @@ class _HopTrace:
         elif name == "connection.connect_tcp.complete":
             self.metrics.connections_opened.inc()
             self.metrics.hop_phase_seconds.labels("connect").observe(time.monotonic() - self.connect_started)
+
+
+async def _drain(lines: AsyncIterator[str], timeout_s: float = 1.0) -> None:
+    """Read what is left of a finished hop's answer (the worker ends it right after its
+    terminal event), so that httpx keeps the connection instead of closing it; bounded."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for _ in lines:
+                pass
+    except (TimeoutError, httpx.HTTPError):
+        pass
 
 
 def _checked(inst: Instance, line: str) -> StageEvent:

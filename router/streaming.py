@@ -1,6 +1,6 @@
 """The response side of a request: token events in, OpenAI JSON or SSE out.
 
-`EventPump` relays the backend's events (and its cancellation), `OutputText` turns token
+`EventPump` (event_pump.py) relays the backend's events (and its cancellation), `OutputText` turns token
 ids into text with stop strings applied, `collect` builds a non-streaming response and
 `sse_body` the `data: ...` stream that ends in `data: [DONE]`.
 
@@ -23,11 +23,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import anyio
-
 from triptych.router import logprobs
 from triptych.router.backend import BackendError
 from triptych.router.errors import OpenAIError, from_backend
+from triptych.router.event_pump import EventPump, coalesce
 from triptych.router.logprobs import TokenText
 from triptych.router.metrics import FrontendMetrics, RequestTimer
 from triptych.router.protocol import ChatCompletionResponse, CompletionResponse
@@ -38,6 +37,9 @@ from triptych.stop_strings import StopMatcher
 log = logging.getLogger("triptych.router.streaming")
 
 DONE = b"data: [DONE]\n\n"
+# Every choice finished: how long the backend may take to end its streams by itself
+# before it is cancelled (normally the time to read the end of a worker's response).
+END_GRACE_S = 1.0
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -87,74 +89,6 @@ class OutputText:
         return self._matcher.add(self._detok.flush()) + self._matcher.flush()
 
 
-class EventPump:
-    """Consumes a backend's event iterator in a task of its own.
-
-    Why a task: a client disconnect cancels the response's anyio scope, and anyio keeps
-    re-cancelling every await inside that scope - a backend's abort calls in its
-    `finally` would be cut short. Behind the pump the backend sees exactly one
-    CancelledError (asyncio's edge-triggered kind) and `close` waits, shielded and
-    bounded, for its cleanup to finish."""
-
-    _END = object()
-    _EMPTY = object()
-
-    def __init__(self, events: AsyncIterator[Any], abort_timeout_s: float) -> None:
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._abort_timeout_s = abort_timeout_s
-        self._task = asyncio.create_task(self._run(events))
-        self._done = False
-        self._head: Any = self._EMPTY
-
-    async def _run(self, events: AsyncIterator[Any]) -> None:
-        try:
-            async for event in events:
-                self._queue.put_nowait(event)
-            self._queue.put_nowait(self._END)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # handed to the consumer, which reports it to the client
-            self._queue.put_nowait(exc)
-        finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    async def prime(self) -> None:
-        """Wait for the first item without consuming it (raises the backend's exception)."""
-        if self._head is self._EMPTY:
-            self._head = await self._queue.get()
-            if isinstance(self._head, BaseException):
-                self._done = True
-                raise self._head
-
-    async def next(self) -> Any | None:
-        """The next event; None at the end; re-raises the backend's exception."""
-        if self._done:
-            return None
-        if self._head is not self._EMPTY:
-            item, self._head = self._head, self._EMPTY
-        else:
-            item = await self._queue.get()
-        if item is self._END:
-            self._done = True
-            return None
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        return item
-
-    async def close(self) -> None:
-        """Cancel the backend if it is still running (= abort the request) and wait for
-        its cleanup, at most abort_timeout_s; safe to call twice and from a cancelled scope."""
-        self._done = True
-        if self._task.done():
-            return
-        self._task.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.wait({self._task}, timeout=self._abort_timeout_s)
-
-
 # --- one request's response ---------------------------------------------------------------
 
 STATUS_KEY = "triptych.status"  # ASGI scope key: a request's final status (streams end after the headers)
@@ -168,6 +102,7 @@ class Choice:
     output: OutputText
     text_offset: int = 0  # completions' logprobs: where the next token's text starts
     finish: str | None = None
+    backend_finished: bool = False  # the backend said it ended (not cut here: stop string, max_tokens)
 
 
 @dataclass
@@ -228,6 +163,7 @@ async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[Piece]:
         event = await pump.next()
         if event is None:
             raise BackendError(502, "the backend ended the stream without a finish reason")
+        event = coalesce(event, pump)
         if not 0 <= event.index < len(job.choices):
             raise BackendError(502, f"the backend sent choice {event.index} of {len(job.choices)}")
         choice = job.choices[event.index]
@@ -245,10 +181,17 @@ async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[Piece]:
             finish = "length"  # the backend overran max_tokens: end it here
         if finish is not None:
             choice.finish = finish
+            choice.backend_finished = event.finish_reason is not None
             live -= 1
             yield Piece(event.index, piece + out.finish(), finish, ids, lps)
         elif piece or (ids and (job.return_token_ids or job.logprobs)):
             yield Piece(event.index, piece, None, ids, lps)
+
+
+def _end_grace(job: Job) -> float:
+    """How long to let the backend end by itself: only when it finished every choice (a
+    choice cut here leaves it generating: that is aborted at once)."""
+    return END_GRACE_S if all(c.backend_finished for c in job.choices) else 0.0
 
 
 def _usage(job: Job) -> dict[str, int]:
@@ -275,6 +218,7 @@ async def collect(job: Job, pump: EventPump) -> dict[str, Any]:
             text[piece.index].append(piece.text)
             token_ids[piece.index] += piece.ids
             entries[piece.index] += piece.logprobs or []
+        await pump.close(_end_grace(job))
     finally:
         await pump.close()
     _finished(job)
@@ -381,7 +325,7 @@ async def sse_body(job: Job, pump: EventPump, scope: dict[str, Any], include_usa
             lps = job.render_logprobs(job.choices[piece.index], piece.logprobs)
             yield sse(_chunk(job, piece.text, piece.finish, include_usage, usage=usage_now(), ids=piece.ids,
                              index=piece.index, lps=lps, tool_calls=new_calls))
-        await pump.close()
+        await pump.close(_end_grace(job))
         _finished(job)
         if include_usage:
             final = {"id": job.request_id, "object": "chat.completion.chunk" if job.chat else "text_completion",

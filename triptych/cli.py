@@ -70,6 +70,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--threads", type=int, default=None)
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_lazy("triptych.bench.engine:cli_main"))
+    _add_bench_throughput(bsub)
     s = bsub.add_parser("serve", help="Poisson load against a running router (or local topologies)")
     s.add_argument("--url", default=None, help="router base URL (or use --topologies)")
     s.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
@@ -348,6 +349,25 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context limit in tokens (default: the checkpoint's max_position_embeddings)")
     p.set_defaults(func=_lazy("triptych.router.main:cli_main"))
+
+
+def _add_bench_throughput(bsub: argparse._SubParsersAction) -> None:
+    t = bsub.add_parser("throughput", help="closed-loop text load against an OpenAI server (and the engine)")
+    t.add_argument("--url", default=None, help="server base URL (Triptych router, vLLM, ...)")
+    t.add_argument("--engine", default=None, metavar="MODEL",
+                   help="also run the same requests through our engine in-process (checkpoint dir)")
+    t.add_argument("--workload", choices=("uniform", "longtail", "both"), default="both")
+    t.add_argument("--num-requests", type=int, default=64)
+    t.add_argument("--concurrency", type=int, default=32)
+    t.add_argument("--output-len", type=int, default=128, help="uniform: tokens per completion")
+    t.add_argument("--min-len", type=int, default=8, help="longtail: shortest completion")
+    t.add_argument("--max-len", type=int, default=512, help="longtail: longest completion")
+    t.add_argument("--repeats", type=int, default=2, help="runs of each (in turns); the best is reported")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--api-key", default=None)
+    t.add_argument("--request-timeout", type=float, default=600.0)
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_lazy("triptych.bench.throughput:cli_main"))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:

@@ -26,6 +26,7 @@ from triptych.stage_protocol import (
     StageRequest,
     TokenLogprob,
     TokensEvent,
+    encode_stage_event,
 )
 from triptych.topology import Stage
 from triptych.worker.admission import decode_payload, vision_inputs
@@ -170,7 +171,23 @@ def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutp
 
 
 def _line(event: BaseModel) -> bytes:
-    return (event.model_dump_json() + "\n").encode()
+    return encode_stage_event(event)
+
+
+def merge_tokens(events: list[BaseModel]) -> list[BaseModel]:
+    """Consecutive `tokens` events of one choice as one: a stream that fell behind the
+    engine sends everything it owes in one event (one line to write, parse and render)."""
+    merged: list[BaseModel] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if isinstance(event, TokensEvent) and isinstance(last, TokensEvent) and last.index == event.index \
+                and (last.logprobs is None) == (event.logprobs is None):
+            merged[-1] = TokensEvent(token_ids=[*last.token_ids, *event.token_ids], index=event.index,
+                                     logprobs=None if event.logprobs is None else [*(last.logprobs or []),
+                                                                                   *event.logprobs])
+        else:
+            merged.append(event)
+    return merged
 
 
 async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserved: list[Any]) -> AsyncIterator[bytes]:
@@ -182,15 +199,17 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
     skip = 1 + len(req.prefilled.generated) if req.prefilled is not None else 0
     inst.inflight += 1
     try:
-        async for out in engine.generate(req, timeout_s=sreq.timeout_s):
+        async for batch in engine.generate_batches(req, timeout_s=sreq.timeout_s):
             if reserved:  # the request now holds its own references to pulled embeddings
                 migration.release_embeddings(reserved)
                 reserved = []
-            for event in events_for(migration, sreq, out, skip, req):
-                yield _line(event)
-            skip = max(0, skip - len(out.new_token_ids))
-            if out.finished and out.timings:
-                observe_stages(engine.role.value, set(sreq.stages), out.timings)
+            events: list[BaseModel] = []
+            for out in batch:
+                events += events_for(migration, sreq, out, skip, req)
+                skip = max(0, skip - len(out.new_token_ids))
+                if out.finished and out.timings:
+                    observe_stages(engine.role.value, set(sreq.stages), out.timings)
+            yield b"".join(_line(event) for event in merge_tokens(events))
     except RequestValidationError as exc:
         yield _line(ErrorEvent(status=http_status(exc), message=str(exc)))
     except TimeoutError as exc:

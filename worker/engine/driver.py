@@ -5,7 +5,11 @@ The thread sleeps on a `threading.Event` until work arrives: every call that can
 loop something to do (`add_request`, `abort`, `release`, `commit_mm`, `free_kv`,
 `release_mm`, `stop`) sets it, so an idle instance costs no CPU and the first step after
 idle starts at once. A stream waits on an asyncio queue that the thread fills with
-`call_soon_threadsafe`: no side polls.
+`call_soon_threadsafe`: no side polls. One such call per event loop per step hands over
+every output of the step (not one per output: each call wakes the loop through its
+self-pipe and costs the engine thread Python work it holds the GIL for), and a stream
+takes everything queued for it at once (`generate_batches`): a stream that fell behind
+catches up in one write.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, NamedTuple
 
 from triptych.worker.engine.request import Request, RequestOutput, RequestValidationError
 
@@ -30,11 +35,24 @@ IDLE_WAIT_S = 60.0
 STALLED_WAIT_S = 0.05
 
 
+class _Sink(NamedTuple):
+    """Where one request's outputs go: a queue read on `loop`."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput]
+
+
+def _deliver(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
+    """Runs on the event loop: one step's outputs into their streams' queues."""
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
 class EngineDriver:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._wakeup = threading.Event()
-        self._sinks: dict[str, Callable[[RequestOutput], object]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -73,23 +91,38 @@ class EngineDriver:
             except Exception as exc:  # a bug outside the model calls: fail everything, keep serving
                 log.exception("engine step failed")
                 outputs = engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
-            for out in outputs:
-                sink = self._sinks.get(out.request_id)
-                if sink is not None:
-                    sink(out)
+            self._hand_over(outputs)
             if engine.stalled and not outputs:
                 self._wakeup.wait(STALLED_WAIT_S)
 
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """Runs on the engine thread: one call_soon_threadsafe per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that loop is closed: nobody reads these streams any more
+                log.debug("dropped %d outputs for a closed event loop", len(items))
+
     async def generate(self, req: Request, timeout_s: float | None) -> AsyncIterator[RequestOutput]:
         """See `Engine.generate`."""
+        async with aclosing(self.generate_batches(req, timeout_s)) as batches:
+            async for batch in batches:
+                for out in batch:
+                    yield out
+
+    async def generate_batches(self, req: Request, timeout_s: float | None) -> AsyncIterator[list[RequestOutput]]:
+        """Like `generate`, but each item is every output queued for the request when the
+        stream looked (at least one; the last one of the last list is `finished`)."""
         if self._thread is None:
             self.start()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-        def sink(out: RequestOutput) -> None:  # runs on the engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-
+        sink = _Sink(loop, queue)
         if self._sinks.setdefault(req.request_id, sink) is not sink:
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         done = added = False
@@ -98,10 +131,15 @@ class EngineDriver:
             added = True
             deadline = None if timeout_s is None else loop.time() + timeout_s
             while not done:
-                remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                out = await asyncio.wait_for(queue.get(), remaining)
-                done = out.finished
-                yield out
+                if queue.empty():
+                    async with asyncio.timeout_at(deadline):
+                        batch = [await queue.get()]
+                else:
+                    batch = []
+                while not queue.empty() and not (batch and batch[-1].finished):
+                    batch.append(queue.get_nowait())
+                done = batch[-1].finished
+                yield batch
         finally:
             self._sinks.pop(req.request_id, None)
             if added and not done:

@@ -487,6 +487,10 @@ class Engine:
         once for bad input, TimeoutError when the request runs past `timeout_s`."""
         return self.driver.generate(req, timeout_s)
 
+    def generate_batches(self, req: Request, timeout_s: float | None = 600.0) -> AsyncIterator[list[RequestOutput]]:
+        """`generate`, with every output already queued for the request taken at once."""
+        return self.driver.generate_batches(req, timeout_s)
+
 
 def _load_tokenizer(model_dir: Path) -> Any:
     path = model_dir / "tokenizer.json"

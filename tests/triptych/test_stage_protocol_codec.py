@@ -1,0 +1,46 @@
+"""The stage protocol's msgspec fast path for `tokens` events reads and writes the same
+JSON as the pydantic models, and refuses what they refuse."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from triptych.stage_protocol import (
+    FinishedEvent,
+    TokenLogprob,
+    TokensEvent,
+    encode_stage_event,
+    parse_stage_event,
+)
+
+
+@pytest.mark.parametrize("event", [
+    TokensEvent(token_ids=[5, 6, 7]),
+    TokensEvent(token_ids=[1], index=3),
+    TokensEvent(token_ids=[2, 3], logprobs=[TokenLogprob(token=2, logprob=-0.5, top=[(2, -0.5)]),
+                                            TokenLogprob(token=3, logprob=-1.0)]),
+    FinishedEvent(finish_reason="length", timings={"decode": 0.25}, index=1),
+])
+def test_round_trip_and_same_json_as_pydantic(event) -> None:
+    line = encode_stage_event(event)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert parse_stage_event(line) == event
+    assert parse_stage_event(event.model_dump_json()) == event  # what an older worker writes
+    ours = json.loads(line)
+    assert {k: v for k, v in json.loads(event.model_dump_json()).items() if v is not None} == \
+        {k: v for k, v in ours.items() if v is not None}
+
+
+@pytest.mark.parametrize("line", [
+    b'{"type":"tokens","token_ids":["x"]}',
+    b'{"type":"tokens","token_ids":[1],"index":1.5}',
+    b'{"type":"tokens"}',
+    b'{"type":"tokens","token_ids":[1]',
+    b'{"type":"token","token_ids":[1]}',
+])
+def test_malformed_tokens_lines_are_refused(line: bytes) -> None:
+    with pytest.raises(ValidationError):
+        parse_stage_event(line)

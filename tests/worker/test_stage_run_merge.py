@@ -1,0 +1,22 @@
+"""A worker stream that fell behind sends what it owes as one `tokens` event per choice
+(worker/stage_run.py `merge_tokens`); other events keep their place."""
+
+from __future__ import annotations
+
+from triptych.stage_protocol import FinishedEvent, TokenLogprob, TokensEvent
+from triptych.worker.stage_run import merge_tokens
+
+
+def test_consecutive_tokens_of_a_choice_merge_and_order_is_kept() -> None:
+    events = [TokensEvent(token_ids=[1]), TokensEvent(token_ids=[2, 3]), TokensEvent(token_ids=[7], index=1),
+              TokensEvent(token_ids=[4]), FinishedEvent(finish_reason="length")]
+    merged = merge_tokens(events)
+    assert [(type(e).__name__, getattr(e, "token_ids", None), e.index) for e in merged] == [
+        ("TokensEvent", [1, 2, 3], 0), ("TokensEvent", [7], 1), ("TokensEvent", [4], 0),
+        ("FinishedEvent", None, 0)]
+
+
+def test_logprobs_merge_with_their_tokens() -> None:
+    lps = [TokenLogprob(token=t, logprob=-1.0 * t) for t in (1, 2)]
+    merged = merge_tokens([TokensEvent(token_ids=[1], logprobs=lps[:1]), TokensEvent(token_ids=[2], logprobs=lps[1:])])
+    assert len(merged) == 1 and merged[0].token_ids == [1, 2] and merged[0].logprobs == lps
