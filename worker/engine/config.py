@@ -47,6 +47,11 @@ class EngineConfig(BaseModel):
     # Automatic prefix caching (prefix_cache.py): full KV blocks are kept, named by a hash
     # chain over token ids and image content hashes, and shared by later prompts.
     enable_prefix_caching: bool = True
+    # torch.compile the language model's elementwise work (norms, SiLU gate) used by every
+    # decode and prefill step (models/compile.py). Off by default: compiling takes seconds
+    # at start and pays little where GEMMs dominate the step; falls back to eager if
+    # compiling fails (no compiler, unsupported backend).
+    compile_decode: bool = False
     # Tests: scramble the free lists so block tables are non-contiguous.
     shuffle_seed: int | None = None
 
