@@ -274,6 +274,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     p.add_argument("--lease-seconds", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile-decode", action="store_true",
+                   help="torch.compile the LM's norms and SiLU gate (falls back to eager if compiling fails)")
     p.add_argument("--decode-threads", type=int, default=2,
                    help="image decode threads; on a V instance, its video decoder threads")
     p.add_argument("--max-model-len", type=int, default=None)
