@@ -68,6 +68,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     e.add_argument("--output-len", type=int, default=32)
     e.add_argument("--threads", type=int, default=None)
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="both systems' weights and KV (bfloat16 pays on CPUs with native bf16)")
+    e.add_argument("--compile-decode", action="store_true", help="torch.compile our decode step")
+    e.add_argument("--sections", nargs="+", default=["workloads", "multimodal", "text_only"],
+                   choices=["workloads", "multimodal", "text_only"])
+    e.add_argument("--workloads", nargs="+", default=["uniform", "longtail"], choices=["uniform", "longtail"])
+    e.add_argument("--workload-requests", type=int, default=64)
+    e.add_argument("--workload-concurrency", type=int, default=32)
+    e.add_argument("--uniform-len", type=int, default=128)
+    e.add_argument("--longtail-range", type=int, nargs=2, default=[8, 512], metavar=("MIN", "MAX"))
+    e.add_argument("--longtail-median", type=float, default=64.0)
+    e.add_argument("--longtail-sigma", type=float, default=1.0)
+    e.add_argument("--arrival-rate", type=float, default=16.0, help="long-tailed arrivals per second (Poisson)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_lazy("triptych.bench.engine:cli_main"))
     _add_bench_throughput(bsub)
@@ -270,6 +283,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     p.add_argument("--lease-seconds", type=float, default=30.0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--compile-decode", action="store_true",
+                   help="torch.compile the LM's norms and SiLU gate (falls back to eager if compiling fails)")
     p.add_argument("--decode-threads", type=int, default=2,
                    help="image decode threads; on a V instance, its video decoder threads")
     p.add_argument("--video-decoder", choices=("auto", "pyav", "nvdec"), default="auto",

@@ -57,7 +57,8 @@ class InstanceRuntime:
                                      num_mm_blocks=s.num_mm_blocks, max_model_len=s.max_model_len,
                                      token_budget=s.token_budget, image_budget=s.image_budget,
                                      encode_token_budget=s.encode_token_budget,
-                                     ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s, keep_mm_cache=True))
+                                     ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s, keep_mm_cache=True,
+                                     compile_decode=s.compile_decode))
         transfer, migration = self._wire_transfer(engine, role)
         engine.start()
         return engine, transfer, migration

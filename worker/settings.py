@@ -27,6 +27,7 @@ class WorkerSettings(BaseModel):
     pull_timeout_s: float = 20.0  # below lease_seconds: the source must not free mid-READ
     lease_margin_s: float = 1.0  # handles' expiry is this much before the source frees
     drain_timeout_s: float = 60.0
+    compile_decode: bool = False  # EngineConfig.compile_decode
     decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
     # Image jobs (one or two per stage run with images) running or queued before stage runs
     # get 503. Generous: the router takes a 503 as this instance failing (out of rotation
@@ -86,4 +87,5 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
         "decode_threads": getattr(args, "decode_threads", 2),
-        "video_decoder": getattr(args, "video_decoder", "auto")})
+        "video_decoder": getattr(args, "video_decoder", "auto"),
+        "compile_decode": getattr(args, "compile_decode", False)})

@@ -51,6 +51,11 @@ class EngineConfig(BaseModel):
     # Encodes on a side CUDA stream beside the language forward when a step has both
     # (HydraInfer §4.2; parallel_vision.py). CUDA only: a CPU keeps the sequential path.
     parallel_vision: bool = True
+    # torch.compile the language model's elementwise work (norms, SiLU gate) used by every
+    # decode and prefill step (models/compile.py). Off by default: compiling takes seconds
+    # at start and pays little where GEMMs dominate the step; falls back to eager if
+    # compiling fails (no compiler, unsupported backend).
+    compile_decode: bool = False
     # Tests: scramble the free lists so block tables are non-contiguous.
     shuffle_seed: int | None = None
 

@@ -73,6 +73,10 @@ class Engine:
         self.spec = self.model.spec
         self.vision = self.model.vision
         self.language = self.model.language
+        if config.compile_decode and self.language is not None:
+            from triptych.worker.models.compile import compile_language_model
+
+            compile_language_model(self.language)
         self.device = torch.device(config.device)
         self.max_model_len = min(config.max_model_len or self.spec.max_model_len, self.spec.max_model_len)
         self.tokenizer = _load_tokenizer(Path(config.model))

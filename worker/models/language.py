@@ -42,6 +42,13 @@ class LanguageModel(nn.Module):
         """Recompute the (non-checkpoint) RoPE frequencies, in float32, on the model's device."""
         self.inv_freq = inv_freq(self.spec.rope, self.spec.head_dim).to(self.device)
 
+    def fuse_projections(self) -> None:
+        """Fuse each layer's q/k/v and gate/up projections into one GEMM each (layers.py);
+        call once the weights are loaded."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[T, H]` (placeholder rows are overwritten by the caller)."""
         return self.embed_tokens(token_ids.to(self.device))

@@ -81,6 +81,7 @@ def load_model(
         if spec.tie_word_embeddings:
             language_model.lm_head.weight = language_model.embed_tokens.weight
         language_model.reset_rope()
+        language_model.fuse_projections()
         language_model.eval()
     return LoadedModel(spec, vision_model, language_model)
 
