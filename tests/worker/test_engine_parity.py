@@ -14,8 +14,8 @@ from engine_cases import make_cases, processor, to_request
 from hf_reference import hf_generate
 
 from triptych.worker.engine import Engine, EngineConfig, RequestStatus
+from triptych.worker.engine.batch import ScheduledBatch
 from triptych.worker.engine.kv_cache import blocks_for
-from triptych.worker.engine.scheduler import ScheduledBatch
 
 MAX_TOKENS = 10
 CASES = make_cases(8)

@@ -12,6 +12,7 @@ import torch
 from engine_cases import Item, make_cases, processor, to_request
 
 from triptych.sampling_params import SamplingParams
+from triptych.worker.engine.batch import Chunk
 from triptych.worker.engine.kv_cache import KVCache
 from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.model_runner import (
@@ -22,7 +23,6 @@ from triptych.worker.engine.model_runner import (
     scatter_embeddings,
 )
 from triptych.worker.engine.request import Request
-from triptych.worker.engine.scheduler import Chunk
 from triptych.worker.models.loader import load_model
 from triptych.worker.models.rope import prompt_positions
 

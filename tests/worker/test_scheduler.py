@@ -8,10 +8,11 @@ import torch
 from engine_cases import Item
 
 from triptych.topology import Stage
+from triptych.worker.engine.batch import ScheduledBatch
 from triptych.worker.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocksError
 from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.request import Request, RequestStatus
-from triptych.worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from triptych.worker.engine.scheduler import Scheduler, SchedulerConfig
 
 
 def _kv(num_blocks: int, block_size: int = 4) -> KVCache:

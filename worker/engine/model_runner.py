@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from triptych.worker.attention import build_metadata
+from triptych.worker.engine.batch import Chunk
 from triptych.worker.engine.guided import mask_logits
 from triptych.worker.engine.kv_cache import KVCache
 from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.request import Request
 from triptych.worker.engine.sampling import SampleRow, choice_seed, sample
-from triptych.worker.engine.scheduler import Chunk, Counters
+from triptych.worker.engine.scheduler import Counters
 
 # What a forward sampled, keyed by id(request): (token, logprob entry or None).
 Sampled = dict[int, tuple[int, dict | None]]

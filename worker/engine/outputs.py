@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 
 from triptych.topology import Stage
+from triptych.worker.engine.batch import ScheduledBatch
 from triptych.worker.engine.mm_cache import MMEntry
 from triptych.worker.engine.model_runner import Sampled
 from triptych.worker.engine.request import (
@@ -23,7 +24,7 @@ from triptych.worker.engine.request import (
     RequestOutput,
     RequestStatus,
 )
-from triptych.worker.engine.scheduler import ScheduledBatch, Scheduler, update_status
+from triptych.worker.engine.scheduler import Scheduler, update_status
 
 
 class OutputProcessor:
