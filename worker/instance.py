@@ -12,6 +12,7 @@ from typing import Any
 from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
+from triptych.worker.engine.role_change import keeps_handovers
 from triptych.worker.migration import MigrationService
 from triptych.worker.settings import WorkerSettings
 from triptych.worker.transfer import TransferEngine
@@ -90,10 +91,11 @@ class InstanceRuntime:
                 if self.engine is None or role == UNASSIGNED:
                     return await self._rebuild(role, started)
                 before = dict(self.engine.scheduler.counters.as_dict())
-                # P <-> D keeps the KV cache: hand-overs parked in it (migrated decodes, prefills'
-                # KV) need not be pulled before the new role serves; they stay under their
-                # leases and are released on confirm or expiry (`_follow_handover`).
-                keep_parked = self.engine.role.needs_language and InstanceType(role).needs_language
+                # A switch that keeps the caches (P <-> D keeps the KV cache, E -> P/D the MM
+                # cache): hand-overs parked in them (migrated decodes, prefills' KV, encodes'
+                # embeddings) need not be pulled before the new role serves; they stay under
+                # their leases and are released on confirm or expiry (`_follow_handover`).
+                keep_parked = keeps_handovers(self.engine, InstanceType(role))
                 await self._offload()
                 offloaded = time.monotonic()
                 moved = await self._migrate(keep_parked)

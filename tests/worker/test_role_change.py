@@ -179,3 +179,38 @@ def test_a_parked_decode_stays_in_its_blocks_across_d_to_p_until_released(qwen2_
     e.release("p")
     e.step()
     assert e.parked_ids() == [] and e.request_ids() == [] and e.kv.num_used == 0
+
+
+def test_a_parked_embedding_stays_across_e_to_pd_until_released(qwen2_vl_dir: Path) -> None:
+    """E -> P/D keeps the MM cache, so an encode's hand-over (its embedding, held under a
+    lease) need not be pulled before the switch ends: it stays in the same blocks while the
+    new role serves, and its release frees them. E -> nothing-with-an-MM-cache would not."""
+    from triptych.worker.engine.role_change import keeps_handovers
+
+    proc = processor(qwen2_vl_dir)
+    case = next(c for c in make_cases(8) if c.images)
+    e = _engine(qwen2_vl_dir, InstanceType.E)
+    (er,) = e.generate_batch([to_request(proc, case, "x", SamplingParams(temperature=0.0, max_tokens=1),
+                                         stages={Stage.ENCODE})])
+    assert er.status == RequestStatus.PARKED and e.parked_ids(Stage.ENCODE) == ["x"]
+    held = e.mm.num_referenced
+    assert held > 0
+    assert keeps_handovers(e, InstanceType.PD) and keeps_handovers(e, InstanceType.P)
+    mm = e.mm
+    e.set_role(InstanceType.PD)
+    assert e.mm is mm and e.parked_ids() == ["x"] and e.mm.num_referenced == held
+    text = next(c for c in make_cases(8) if not c.images)
+    (out,) = e.generate_batch([to_request(proc, text, "t", SamplingParams(temperature=0.0, max_tokens=3),
+                                          stages={Stage.PREFILL, Stage.DECODE})])
+    assert len(out.output_token_ids) == 3  # the new role serves while the hand-over is pending
+    e.release("x")
+    e.step()
+    assert e.parked_ids() == [] and e.request_ids() == [] and e.mm.num_referenced == 0
+
+
+def test_a_change_that_drops_the_kv_cache_does_not_keep_hand_overs(qwen2_vl_dir: Path) -> None:
+    from triptych.worker.engine.role_change import keeps_handovers
+
+    e = _engine(qwen2_vl_dir, InstanceType.PD)
+    assert not keeps_handovers(e, InstanceType.E)
+    assert keeps_handovers(e, InstanceType.P) and keeps_handovers(e, InstanceType.D)

@@ -38,6 +38,16 @@ def needs_mm(role: InstanceType, keep_mm_cache: bool = False) -> bool:
     return role.runs(Stage.ENCODE) or role.runs(Stage.PREFILL) or (keep_mm_cache and role.needs_language)
 
 
+def keeps_handovers(engine: Engine, role: InstanceType) -> bool:
+    """Whether hand-overs parked in `engine` (a decode's or a prefill's KV, an encode's
+    embedding) may stay parked across a change to `role`: every cache they sit in stays
+    (as `change_parts` decides). Then a switch need not wait for their pulls: they are
+    released on confirm or lease expiry, in the same blocks, while the new role serves."""
+    kv_kept = engine.kv is None or role.needs_language
+    mm_kept = engine.mm is None or needs_mm(role, engine.config.keep_mm_cache) or role.needs_language
+    return kv_kept and mm_kept
+
+
 def change_parts(engine: Engine, role: InstanceType) -> PartsChanged:
     """Load what `role` needs that `engine` lacks; drop what it no longer needs."""
     from triptych.worker.models.loader import LoadedModel, load_model
