@@ -21,10 +21,11 @@ import json
 from dataclasses import dataclass
 
 from triptych.kube import names
-from triptych.operator.api import MLLMDeploymentSpec, pool_assignment, pool_replicas, topology_string
+from triptych.operator.api import MLLMDeploymentSpec, pool_assignment, topology_string
 from triptych.operator.objmeta import Obj, Owner, common_labels, object_meta, pool_selector, router_selector
 from triptych.operator.podspec import model_dir
 from triptych.operator.policies import ClusterFacts, network_policy, pdb, service_monitor
+from triptych.operator.pool_spec import pool_replicas
 from triptych.operator.router_objects import router_deployment, router_rbac, router_service
 from triptych.operator.worker_objects import worker_deployment, workers_service
 from triptych.topology import InstanceType

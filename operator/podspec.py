@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 from triptych.kube import names
-from triptych.operator.api import MLLMDeploymentSpec, ModelSource, ResourceRequirements
+from triptych.operator.api import MLLMDeploymentSpec, ModelSource
 from triptych.operator.objmeta import Obj, Owner
+from triptych.operator.spec_base import ResourceRequirements
 
 
 def model_dir(source: ModelSource) -> str:

@@ -28,9 +28,9 @@ their ports for the router's discovery (router/k8s_discovery.py), and its role l
 from __future__ import annotations
 
 from triptych.kube import names
-from triptych.operator.api import SharedGPU, WorkerPool
 from triptych.operator.objmeta import Obj
 from triptych.operator.podspec import security_context
+from triptych.operator.pool_spec import SharedGPU, WorkerPool
 from triptych.topology import InstanceType
 
 MPS_VOLUMES = (("mps-pipe", names.MPS_PIPE_DIR), ("mps-log", names.MPS_LOG_DIR))

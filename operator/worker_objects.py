@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from triptych.kube import names
-from triptych.operator.api import MLLMDeploymentSpec, SharedGPU, WorkerPool
+from triptych.operator.api import MLLMDeploymentSpec
 from triptych.operator.objmeta import Obj, Owner, common_labels, object_meta, pool_selector, workers_selector
 from triptych.operator.podspec import (
     ADMIN_TOKEN_ENV,
@@ -22,6 +22,7 @@ from triptych.operator.podspec import (
     worker_lifecycle,
 )
 from triptych.operator.policies import worker_port_names
+from triptych.operator.pool_spec import SharedGPU, WorkerPool
 from triptych.operator.shared_gpu import (
     decode_container,
     ep_args,

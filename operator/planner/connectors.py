@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel
 
-from triptych.operator.planner.policy import Decision
+from triptych.operator.planner.policy_types import Decision
 from triptych.topology import InstanceType
 
 

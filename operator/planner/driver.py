@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, Field
 
-from triptych.operator.planner.policy import Decision, History, PolicyConfig, Proposal, decide
+from triptych.operator.planner.policy import decide
+from triptych.operator.planner.policy_types import Decision, History, PolicyConfig, Proposal
 from triptych.operator.planner.signals import STAGES, Snapshot
 from triptych.topology import InstanceType, format_topology
 

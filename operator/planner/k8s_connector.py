@@ -31,7 +31,7 @@ from triptych.kube import names
 from triptych.kube.client import DEPLOYMENT, MLLM, POD, SECRET, KubeClient
 from triptych.operator.api import MLLMDeploymentSpec, parse_spec, pool_assignment
 from triptych.operator.planner.driver import PlanDocument
-from triptych.operator.planner.policy import Decision
+from triptych.operator.planner.policy_types import Decision
 from triptych.operator.reconcile import worker_pod
 from triptych.operator.roles import RoleChange, plan_pool, role_labels
 from triptych.operator.tokens import secret_value

@@ -34,7 +34,7 @@ from triptych.operator.context import OperatorContext
 from triptych.operator.planner.driver import Driver, DriverConfig, PlanDocument, PlannerMetrics, Replanner
 from triptych.operator.planner.endpoint import PlannerEndpoint
 from triptych.operator.planner.k8s_connector import KubeConnector, TokenSource, read_admin_token
-from triptych.operator.planner.policy import Decision, History, PolicyConfig
+from triptych.operator.planner.policy_types import Decision, History, PolicyConfig
 from triptych.operator.planner.signals import PrometheusClient, Snapshot, snapshot_from_prometheus
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from triptych.operator.planner.policy import Decision
+from triptych.operator.planner.policy_types import Decision
 from triptych.topology import UNASSIGNED, InstanceType
 
 

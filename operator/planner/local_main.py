@@ -21,7 +21,7 @@ import httpx
 from triptych.operator.planner.driver import Driver, DriverConfig, PlannerMetrics, Replanner
 from triptych.operator.planner.endpoint import PlannerEndpoint
 from triptych.operator.planner.local_connector import LocalActionError, LocalConnector
-from triptych.operator.planner.policy import Decision, PolicyConfig
+from triptych.operator.planner.policy_types import Decision, PolicyConfig
 from triptych.operator.planner.signals import Scraper
 from triptych.topology import InstanceType
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from triptych.operator.planner.driver import Replan
 from triptych.operator.planner.optimizer import PlanConfig, evaluate, plan
-from triptych.operator.planner.policy import Proposal
+from triptych.operator.planner.policy_types import Proposal
 from triptych.operator.planner.profile import StepProfile
 from triptych.operator.planner.signals import Snapshot
 from triptych.operator.planner.simulator import SimConfig

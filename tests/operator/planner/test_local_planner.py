@@ -21,7 +21,7 @@ from triptych.operator.planner.driver import Driver, PlannerMetrics
 from triptych.operator.planner.endpoint import PlannerEndpoint
 from triptych.operator.planner.local_connector import LocalConnector
 from triptych.operator.planner.local_main import LocalPlanner
-from triptych.operator.planner.policy import PolicyConfig
+from triptych.operator.planner.policy_types import PolicyConfig
 from triptych.operator.planner.signals import Scraper
 from triptych.topology import InstanceType as T
 

@@ -20,7 +20,8 @@ from planner_models import LLAVA_15_7B, QWEN2_VL_7B, write_model
 from triptych.operator.planner.capacity import METHODS, all_ratios, best_ratios, stage_costs
 from triptych.operator.planner.model_shape import read_shape
 from triptych.operator.planner.optimizer import PlanConfig, evaluate, plan
-from triptych.operator.planner.policy import History, PolicyConfig, Proposal, decide
+from triptych.operator.planner.policy import decide
+from triptych.operator.planner.policy_types import History, PolicyConfig, Proposal
 from triptych.operator.planner.roofline import roofline_profile
 from triptych.operator.planner.signals import Snapshot
 from triptych.operator.planner.simulator import CompiledTrace, SimConfig, goodput, simulate

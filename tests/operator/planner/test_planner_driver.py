@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from triptych.operator.planner.connectors import RecordingConnector, apply
 from triptych.operator.planner.driver import Driver, DriverConfig, PlannerMetrics, Replan, method_of
-from triptych.operator.planner.policy import PolicyConfig, Proposal
+from triptych.operator.planner.policy_types import PolicyConfig, Proposal
 from triptych.operator.planner.replanner import window_spec
 from triptych.operator.planner.signals import DecodeLoad, Snapshot, StageQueue
 from triptych.topology import InstanceType as T

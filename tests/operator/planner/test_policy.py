@@ -7,7 +7,8 @@ import pytest
 
 from triptych.operator.api import AutoscalingConfig, InstanceLimits
 from triptych.operator.planner.connectors import RecordingConnector, apply
-from triptych.operator.planner.policy import Decision, History, PolicyConfig, Proposal, decide
+from triptych.operator.planner.policy import decide
+from triptych.operator.planner.policy_types import Decision, History, PolicyConfig, Proposal
 from triptych.operator.planner.signals import DecodeLoad, Snapshot, StageQueue
 from triptych.topology import InstanceType as T
 
