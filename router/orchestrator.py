@@ -196,6 +196,10 @@ class Orchestrator:
                     raise BackendError(failure.status, _public_failure(failure.status)) from failure
                 self._decide(failure.stage or Stage.PREFILL, "retried")
                 log.warning("request %s: %s; retrying elsewhere", req.request_id, failure)
+                # What the attempt left parked under leases (an encode, a prefill) is freed
+                # now, not at the leases' expiry.
+                self.stages.abort_later(footprint.urls, [req.request_id, req.request_id + ENCODE_ID_SUFFIX],
+                                        self.config.abort_timeout_s)
         log.warning("request %s failed on every attempt; last: %s", base_id, last_error)
         raise BackendError(503, f"request failed on every attempt ({self.config.max_attempts}); try again later",
                            retry_after=self.config.retry_after_s)

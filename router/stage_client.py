@@ -64,6 +64,7 @@ class StageClient:
     def __init__(self, client: httpx.AsyncClient, metrics: RoutingMetrics) -> None:
         self.client = client
         self.metrics = metrics
+        self._aborts: set[asyncio.Task[None]] = set()  # abort_later's, held until done
 
     async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float,
                   waits: WaitClock | None = None) -> AsyncIterator[StageEvent]:
@@ -138,6 +139,12 @@ class StageClient:
                 waits.end()
             inst.inflight -= 1
             self.metrics.hop_seconds.labels(label, outcome).observe(time.monotonic() - started)
+
+    def abort_later(self, urls: Iterable[str], request_ids: Iterable[str], timeout_s: float) -> None:
+        """`abort` in the background (a caller that goes on need not wait for a dead instance)."""
+        task = asyncio.create_task(self.abort(list(urls), list(request_ids), timeout_s))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def abort(self, urls: Iterable[str], request_ids: Iterable[str], timeout_s: float) -> None:
         """Best effort, concurrently: POST /internal/abort/{id} for every (instance, id) pair.

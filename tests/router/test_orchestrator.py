@@ -116,6 +116,22 @@ async def test_prefill_failing_before_the_first_token_is_retried_elsewhere(fault
         assert cluster.decisions("prefill", "retried") == 1
 
 
+async def test_a_retried_attempts_parked_work_is_withdrawn_at_once():
+    """The failed attempt's encode sits parked at e0 under a lease for a pull that will not
+    come (p0 failed): the router aborts it when it retries, instead of leaving it held
+    until the lease expires (a switching instance would wait for it)."""
+    async with FakeCluster("1E2P1D") as cluster:
+        cluster["p0"].script(status(503))
+        req = request(images=("a",))
+        assert await collect(cluster.orchestrator(), req) == (expected_tokens(req), "length")
+        deadline = time.monotonic() + 5
+        while ("e0", "req.encode") not in cluster.aborts() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert {("e0", "req.encode"), ("p0", "req")} <= cluster.aborts()
+        assert cluster.parked() == set()
+        assert not any(i.startswith("req.retry1") for _, i in cluster.aborts())  # the retry succeeded
+
+
 async def test_every_attempt_failing_ends_in_a_503_and_aborts():
     async with FakeCluster("3P1D") as cluster:
         for name in ("p0", "p1", "p2"):
