@@ -14,6 +14,7 @@ from triptych.worker.engine.request import (
     InvalidImageError,
     RequestOutput,
     RequestValidationError,
+    StageNotServedError,
 )
 from triptych.worker.migration.errors import (
     BadHandleError,
@@ -39,6 +40,9 @@ class OverloadedError(Exception):
 
 # First match wins: subclasses before their bases.
 _STATUS: tuple[tuple[type[BaseException], int], ...] = (
+    # The role changed under the request (a switch between the run's admission and the
+    # engine's): this instance, not the request, is wrong — the router tries another.
+    (StageNotServedError, 503),
     (RequestValidationError, 400),
     (BadPayloadError, 400),
     (BadHandleError, 400),

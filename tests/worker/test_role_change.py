@@ -214,3 +214,20 @@ def test_a_change_that_drops_the_kv_cache_does_not_keep_hand_overs(qwen2_vl_dir:
     e = _engine(qwen2_vl_dir, InstanceType.PD)
     assert not keeps_handovers(e, InstanceType.E)
     assert keeps_handovers(e, InstanceType.P) and keeps_handovers(e, InstanceType.D)
+
+
+def test_a_stage_the_role_no_longer_runs_is_the_instances_503_not_the_clients_400(qwen2_vl_dir: Path) -> None:
+    """A decode run admitted by the server just before a D -> P switch reaches the engine
+    after it: the engine's refusal must be a retriable 503 (the router tries another D),
+    not a 400 the client would see; a malformed request stays a 400."""
+    from triptych.worker.engine.request import RequestValidationError
+    from triptych.worker.errors import http_status
+
+    proc = processor(qwen2_vl_dir)
+    case = next(c for c in make_cases(8) if not c.images)
+    e = _engine(qwen2_vl_dir, InstanceType.P)
+    with pytest.raises(RequestValidationError) as info:
+        e.add_request(to_request(proc, case, "d", SamplingParams(temperature=0.0, max_tokens=2),
+                                 stages={Stage.PREFILL, Stage.DECODE}))
+    assert "does not run stage(s) decode" in str(info.value) and http_status(info.value) == 503
+    assert http_status(RequestValidationError("token id out of range")) == 400
