@@ -17,12 +17,7 @@ from triptych.worker.models import compile as compile_mod
 PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 3, 77, 12, 9, 100], [300, 2, 2, 51], [11, 12, 13, 14, 15, 16, 17, 18]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/worker/conftest.py
 
 
 def _greedy(engine: Engine, n: int) -> list[list[int]]:

@@ -6,18 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from triptych.sampling_params import SamplingParams
 from triptych.worker.engine import Engine, EngineConfig, FinishReason, Request
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/worker/conftest.py
 
 
 def _run(engine: Engine, req: Request) -> list:

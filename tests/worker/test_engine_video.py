@@ -6,7 +6,6 @@ placeholder run that does not match the decoded grid is a typed 400 at admission
 from __future__ import annotations
 
 import pytest
-import torch
 from videokit import VideoCase, expected_ids
 
 from triptych.processor import MultimodalProcessor
@@ -19,13 +18,7 @@ from triptych.worker.engine.request import RequestValidationError
 from triptych.worker.engine.video_inputs import VIDEOS_DECODED
 from triptych.worker.video import index_video, video_id
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/worker/conftest.py
 
 
 def _request(family: str, case: VideoCase, fps: float, grid_t: int, spgt: float | None) -> Request:

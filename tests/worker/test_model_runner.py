@@ -29,12 +29,7 @@ from triptych.worker.models.rope import prompt_positions
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/worker/conftest.py
 
 
 def _req(rid: str, prompt: list[int], outputs: list[int] = (), delta: int = 0, mrope: bool = False,
