@@ -252,29 +252,41 @@ def _encoder(snap, counts, fills, triggers, history, cfg, proposal):  # type: ig
         return None, "encoder: autoscaling off"
     if not n_e:
         return None, "encoder: no E instances in this plan"
-    lo, hi = cfg.bounds(InstanceType.E)
-    per_e = _encode_work(snap) / n_e
-    for trig, delta in (("encode_high", 1), ("encode_low", -1)):
+    return _scale_on_queue("encoder", "encode", InstanceType.E, _encode_work(snap) / n_e, "queued images",
+                           (cfg.encode_down, cfg.encode_up), snap, counts, triggers, history, cfg)
+
+
+def _scale_on_queue(rule: str, trigger: str, kind: InstanceType, per: float, unit: str,
+                    levels: tuple[float, float], snap: Snapshot, counts: dict[InstanceType, int],
+                    triggers: dict[str, bool], history: History, cfg: PolicyConfig) -> tuple[Decision | None, str]:
+    """Add or remove one `kind` instance on its sustained queue per instance (`per`, in
+    `unit`; `trigger`_high/_low fired against `levels` = (down, up)), within its bounds and
+    the scale cooldowns: the encoder rule (queued images per E) and the video rule (queued
+    GOP sets per V)."""
+    n, k = counts[kind], kind.value
+    lo, hi = cfg.bounds(kind)
+    down, up = levels
+    for trig, delta in ((f"{trigger}_high", 1), (f"{trigger}_low", -1)):
         if not triggers[trig]:
             continue
         held = history.held(trig, cfg.sustain) + 1
         if held < cfg.sustain:
-            return None, f"encoder: {per_e:.1f} queued images per E held {held}/{cfg.sustain} snapshots"
-        if delta > 0 and n_e >= hi:
-            return None, f"encoder: E is at its maximum {hi}"
-        if delta < 0 and n_e <= max(lo, 1):
-            return None, f"encoder: E is at its minimum {max(lo, 1)}"
+            return None, f"{rule}: {per:.1f} {unit} per {k} held {held}/{cfg.sustain} snapshots"
+        if delta > 0 and n >= hi:
+            return None, f"{rule}: {k} is at its maximum {hi}"
+        if delta < 0 and n <= max(lo, 1):
+            return None, f"{rule}: {k} is at its minimum {max(lo, 1)}"
         cooldown = cfg.scale_up_cooldown_s if delta > 0 else cfg.scale_down_cooldown_s
-        left = _cooldown_left(history, "scale", cooldown, snap.at, delta, InstanceType.E)
+        left = _cooldown_left(history, "scale", cooldown, snap.at, delta, kind)
         if left > 0:
-            return None, f"encoder: scale-{'up' if delta > 0 else 'down'} cooldown: {left:.0f} s left"
+            return None, f"{rule}: scale-{'up' if delta > 0 else 'down'} cooldown: {left:.0f} s left"
         target = dict(counts)
-        target[InstanceType.E] = n_e + delta
-        return Decision(at=0, action="scale", rule="encoder", scale_type=InstanceType.E, delta=delta,
-                        target=target, reason=f"encoder: {per_e:.1f} queued images per E "
-                        f"{'>=' if delta > 0 else '<='} {cfg.encode_up if delta > 0 else cfg.encode_down}"
-                        f" for {cfg.sustain} snapshots; {'add' if delta > 0 else 'remove'} one E"), ""
-    return None, f"encoder: {per_e:.1f} queued images per E, within [{cfg.encode_down}, {cfg.encode_up}]"
+        target[kind] = n + delta
+        return Decision(at=0, action="scale", rule=rule, scale_type=kind, delta=delta,
+                        target=target, reason=f"{rule}: {per:.1f} {unit} per {k} "
+                        f"{'>=' if delta > 0 else '<='} {up if delta > 0 else down}"
+                        f" for {cfg.sustain} snapshots; {'add' if delta > 0 else 'remove'} one {k}"), ""
+    return None, f"{rule}: {per:.1f} {unit} per {k}, within [{down}, {up}]"
 
 
 def _decode(snap, counts, fills, triggers, history, cfg, proposal):  # type: ignore[no-untyped-def]
@@ -326,29 +338,8 @@ def _video(snap, counts, fills, triggers, history, cfg, proposal):  # type: igno
         return None, "video: no V instances in this plan"
     if snap.video_queued_gop_sets is None:
         return None, "video: the router exports no GOP-set queue"
-    lo, hi = cfg.bounds(InstanceType.V)
-    per_v = snap.video_queued_gop_sets / n_v
-    for trig, delta in (("video_high", 1), ("video_low", -1)):
-        if not triggers[trig]:
-            continue
-        held = history.held(trig, cfg.sustain) + 1
-        if held < cfg.sustain:
-            return None, f"video: {per_v:.1f} queued GOP sets per V held {held}/{cfg.sustain} snapshots"
-        if delta > 0 and n_v >= hi:
-            return None, f"video: V is at its maximum {hi}"
-        if delta < 0 and n_v <= max(lo, 1):
-            return None, f"video: V is at its minimum {max(lo, 1)}"
-        cooldown = cfg.scale_up_cooldown_s if delta > 0 else cfg.scale_down_cooldown_s
-        left = _cooldown_left(history, "scale", cooldown, snap.at, delta, InstanceType.V)
-        if left > 0:
-            return None, f"video: scale-{'up' if delta > 0 else 'down'} cooldown: {left:.0f} s left"
-        target = dict(counts)
-        target[InstanceType.V] = n_v + delta
-        return Decision(at=0, action="scale", rule="video", scale_type=InstanceType.V, delta=delta,
-                        target=target, reason=f"video: {per_v:.1f} queued GOP sets per V "
-                        f"{'>=' if delta > 0 else '<='} {cfg.video_up if delta > 0 else cfg.video_down}"
-                        f" for {cfg.sustain} snapshots; {'add' if delta > 0 else 'remove'} one V"), ""
-    return None, f"video: {per_v:.1f} queued GOP sets per V, within [{cfg.video_down}, {cfg.video_up}]"
+    return _scale_on_queue("video", "video", InstanceType.V, snap.video_queued_gop_sets / n_v, "queued GOP sets",
+                           (cfg.video_down, cfg.video_up), snap, counts, triggers, history, cfg)
 
 
 def _replan(snap, counts, fills, triggers, history, cfg, proposal):  # type: ignore[no-untyped-def]
