@@ -156,7 +156,12 @@ class Notifications(Protocol):
 
 def pump_once(transfer: Notifications, table: LeaseTable) -> int:
     """Confirm the leases targets reported, then expire overdue ones; returns releases."""
-    released = sum(table.confirm(lid, secret) for lid, secret in transfer.poll_notifications())
+    return settle(table, transfer.poll_notifications())
+
+
+def settle(table: LeaseTable, notes: list[tuple[str, str]]) -> int:
+    """Confirm the leases of `notes` (lease id, secret), then expire overdue ones; returns releases."""
+    released = sum(table.confirm(lid, secret) for lid, secret in notes)
     return released + len(table.expire())
 
 
@@ -233,9 +238,7 @@ async def run_lease_pump(transfer: Notifications, table: LeaseTable, interval_s:
             with inbox_lock:
                 notes, inbox[:] = list(inbox), []
             try:
-                for lease_id, secret in notes:
-                    table.confirm(lease_id, secret)
-                table.expire()
+                settle(table, notes)
             except Exception:
                 logger.exception("lease pump iteration failed")
     finally:
