@@ -18,6 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
@@ -224,13 +225,13 @@ class Orchestrator:
         prefix = (PrefixRouting(self.prefixes, req.prompt_token_ids, req.mm_items, cfg.prefix_weight,
                                 cfg.prefix_min_tokens)
                   if cfg.prefix_routing else None)
-        plan = plan_request(self.registry, self.chooser, [m.content_hash for m in req.mm_items], excluded,
+        plan = plan_request(self.registry, self.chooser, [m.unit for m in req.mm_items], excluded,
                             parallel_encode=cfg.parallel_encode,
                             affinity=self.affinity if cfg.cache_affinity else None, prefix=prefix)
         self.metrics.decided(plan.decisions)
         for content_hash, url in plan.placement:
             self.affinity.remember(content_hash, url)
-        if self.videos is not None and any(m.kind == "video" for m in req.mm_items):
+        if self.videos is not None and any(_is_video(m) for m in req.mm_items):
             plan = replace(plan, decoders=tuple(self.registry.video_decoders(excluded)))
         if prefix is not None:
             prefix.remember(next(hop.instance for hop in plan.hops if Stage.PREFILL in hop.stages))
@@ -254,9 +255,10 @@ class Orchestrator:
         to the decode)."""
         mm_items = [MMItemSpec.of(m) for m in req.mm_items]  # images and videos
         parts = await self._decode_videos(req, plan, mm_items, footprint)
-        images = {m.content_hash: base64.b64encode(data).decode() for m, data in zip(req.mm_items, req.images,
-                                                                                     strict=True)
-                  if m.content_hash not in parts}  # a video decoded on V instances goes as parts, not bytes
+        # By unit: a video taken as frames (LLaVA) goes once, under its own key. A video
+        # decoded on V instances goes as parts, not bytes.
+        raw = {m.unit: data for m, data in zip(req.mm_items, req.images, strict=True) if m.unit not in parts}
+        images = {h: base64.b64encode(data).decode() for h, data in raw.items()}
         results = await asyncio.gather(*(self._encode_only(req, run, images, _with_parts(mm_items, run.images, parts),
                                                            footprint)
                                          for run in plan.encodes))
@@ -317,13 +319,13 @@ class Orchestrator:
     async def _decode_videos(self, req: GenerationRequest, plan: Plan, mm_items: list[MMItemSpec],
                              footprint: Footprint) -> dict[str, list[VideoPart]]:
         """Decode the request's videos on the plan's V instances, all videos at once, each
-        spread over every V instance (router/video_decode.py); the parts by content hash. A
-        video placed on an encode instance whose MM cache holds its embedding (cache
+        spread over every V instance (router/video_decode.py); the parts by unit (a video
+        taken as frames: its key). A video placed on an encode instance whose MM cache holds its embedding (cache
         affinity) is not decoded: it goes as bytes, used only if the entry was evicted."""
         if not plan.decoders or self.videos is None:
             return {}
-        videos = {m.content_hash: (m, data) for m, data in zip(mm_items, req.images, strict=True)
-                  if m.kind == "video" and m.content_hash not in plan.cached}
+        videos = {m.unit: (m, data) for m, data in zip(mm_items, req.images, strict=True)
+                  if _is_video(m) and m.unit not in plan.cached}  # a video taken as frames: once
         if not videos:
             return {}
         footprint.urls.update(inst.url for inst in plan.decoders)  # an abort frees their leases
@@ -418,7 +420,7 @@ class Orchestrator:
     async def _encode_only(self, req: GenerationRequest, run: EncodeRun, images: dict[str, str],
                            mm_items: list[MMItemSpec], footprint: Footprint) -> list[MMSource]:
         """One encode-only run; the handles of the embeddings it made, for the prefill to pull."""
-        items = [m for m in mm_items if m.content_hash in run.images]
+        items = [m for m in mm_items if m.unit in run.images]
         sreq = StageRequest(request_id=req.request_id + ENCODE_ID_SUFFIX, stages=[Stage.ENCODE],
                             prompt_token_ids=req.prompt_token_ids, mm_items=items,
                             images={h: images[h] for h in run.images if h in images},
@@ -436,8 +438,14 @@ def _with_parts(items: list[MMItemSpec], encoded_here: Sequence[str],
                 parts: dict[str, list[VideoPart]]) -> list[MMItemSpec]:
     """The items as one run sees them: a video it encodes carries its V-decoded parts (only
     the encoding instance pulls them; each part's lease is confirmed once)."""
-    return [m.model_copy(update={"video_parts": parts[m.content_hash]})
-            if m.content_hash in parts and m.content_hash in encoded_here else m for m in items]
+    return [m.model_copy(update={"video_parts": parts[m.unit]})
+            if m.unit in parts and m.unit in encoded_here else m for m in items]
+
+
+def _is_video(item: Any) -> bool:
+    """A video item, or a frame of a video taken as images (LLaVA): decoded from a video."""
+    return item.kind == "video" or getattr(item, "frame_of", None) is not None or \
+        getattr(item, "frame", None) is not None
 
 
 def _public_failure(status: int) -> str:

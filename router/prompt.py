@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from triptych.processor import ImageInput, ImageTooLargeError, ProcessorError
+from triptych.processor import ImageInput, ImageTooLargeError, MMItem, ProcessorError
 from triptych.router.config import RouterConfig
 from triptych.router.errors import InvalidRequestError
 from triptych.router.images import FetchBudget, ImageRef
@@ -18,7 +18,8 @@ from triptych.router.protocol import ChatMessage, ImagePart, TextPart, VideoPart
 from triptych.router.state import RouterState
 from triptych.router.videos import limits_of, probe_video, resolve_options, video_model
 from triptych.sampling_params import SamplingParams
-from triptych.video_processing import expand_videos
+from triptych.stage_protocol import frame_content_key
+from triptych.video_processing import VideoTokens, expand_videos
 
 
 @dataclass
@@ -144,7 +145,7 @@ def _check_videos(state: RouterState, refs: list[ImageRef], kwargs: dict[str, An
         raise InvalidRequestError(f"too many videos: {len(refs)} (this server accepts at most {limit} "
                                   "per request)", param="messages", code="too_many_videos")
     model = video_model(str(state.config.model))
-    if model is None:  # LLaVA: no video placeholder; it would need the frames sent as images
+    if model is None:  # a checkpoint with neither a video token nor frames-as-images support
         raise InvalidRequestError(f"model {state.model_name} does not accept video input; send sampled "
                                   "frames as image_url parts", param=refs[0].param, code="unsupported_content")
     resolve_options(kwargs, model, state.config)  # bad options fail before any fetch
@@ -158,45 +159,104 @@ def _process(state: RouterState, messages: list[dict[str, Any]], refs: list[Imag
     container (no pixel is decoded here: the encode instance decodes, once), apply the
     template and expand the video runs. Runs in a worker thread (hashing, demuxing and
     tokenization are CPU work that must not stall the event loop). Also returns the bytes
-    by content hash."""
-    images = []
-    videos = []
+    by content hash (a frame taken as an image maps to its video's bytes)."""
     by_hash: dict[str, bytes] = {}
+    videos = _probe_videos(state, refs, blobs, mm_processor_kwargs, by_hash)
+    model = video_model(str(state.config.model)) if videos else None
+    frames: dict[str, tuple[VideoTokens, int]] = {}
+    inputs: list[ImageInput] = []  # in placeholder order
     budget = state.config.max_request_pixels
-    video_refs = [(ref, blob) for ref, blob in zip(refs, blobs, strict=True) if ref.kind == "video"]
-    if video_refs:
-        model = video_model(str(state.config.model))
-        assert model is not None  # _check_videos refused the request otherwise
-        cfg, options, resolved = resolve_options(mm_processor_kwargs, model, state.config)
-        limits = limits_of(state.config)
-        for ref, blob in video_refs:
-            videos.append(probe_video(blob, ref.param, model, cfg, options, resolved, limits))
-            by_hash[videos[-1].content_hash] = blob
+    pending = iter(videos)
     for ref, blob in zip(refs, blobs, strict=True):
-        if ref.kind != "image":
-            continue
-        try:
-            # The MM cache key is the hash of the bytes the client sent.
-            image = ImageInput.probe(blob, state.config.max_image_pixels)
-        except ImageTooLargeError as exc:
-            raise InvalidRequestError(str(exc), param=ref.param, code="image_too_large") from None
-        except ProcessorError as exc:
-            raise InvalidRequestError(str(exc), param=ref.param, code="invalid_image") from None
-        budget -= image.width * image.height
-        if budget < 0:
-            raise InvalidRequestError(f"the request's images hold more than {state.config.max_request_pixels} "
-                                      "pixels in all; send fewer or smaller images", param=ref.param,
-                                      code="image_too_large")
-        images.append(image)
-        by_hash[image.content_hash] = blob
+        if ref.kind == "image":
+            image = _probe_image(state, ref, blob)
+            budget -= image.width * image.height
+            if budget < 0:
+                raise InvalidRequestError(f"the request's images hold more than {state.config.max_request_pixels} "
+                                          "pixels in all; send fewer or smaller images", param=ref.param,
+                                          code="image_too_large")
+            inputs.append(image)
+            by_hash[image.content_hash] = blob
+        elif model is not None and model.frames_as_images:
+            inputs.extend(_frame_images(next(pending), blob, frames, by_hash))
+    if frames:  # LLaVA: the template sees each video as its sampled frames, one image each
+        messages = _videos_as_frames(messages, [v.grid_thw[0] for v in videos])
     try:
-        processed = state.processor.process(messages, images, add_generation_prompt=add_generation_prompt,
+        processed = state.processor.process(messages, inputs, add_generation_prompt=add_generation_prompt,
                                             **(template_kwargs or {}))
-        if videos:
-            processed = expand_videos(processed, model.video_token_id, cfg.merge_size, videos)
+        if frames:
+            processed = replace(processed, mm_items=[_as_frame(m, frames) for m in processed.mm_items])
+        elif videos:
+            assert model is not None and model.video_token_id is not None
+            processed = expand_videos(processed, model.video_token_id, model.config.merge_size, videos)
     except ProcessorError as exc:  # the processor's contract: these are bad input
         raise InvalidRequestError(str(exc), param="messages") from None
     return processed, by_hash
+
+
+def _probe_videos(state: RouterState, refs: list[ImageRef], blobs: list[bytes],
+                  kwargs: dict[str, Any] | None, by_hash: dict[str, bytes]) -> list[VideoTokens]:
+    """Each video demuxed, sampled and counted (router/videos.py), in request order."""
+    video_refs = [(ref, blob) for ref, blob in zip(refs, blobs, strict=True) if ref.kind == "video"]
+    if not video_refs:
+        return []
+    model = video_model(str(state.config.model))
+    assert model is not None  # _check_videos refused the request otherwise
+    cfg, options, resolved = resolve_options(kwargs, model, state.config)
+    limits = limits_of(state.config)
+    videos = []
+    for ref, blob in video_refs:
+        videos.append(probe_video(blob, ref.param, model, cfg, options, resolved, limits))
+        by_hash[videos[-1].content_hash] = blob
+    return videos
+
+
+def _probe_image(state: RouterState, ref: ImageRef, blob: bytes) -> ImageInput:
+    try:
+        # The MM cache key is the hash of the bytes the client sent.
+        return ImageInput.probe(blob, state.config.max_image_pixels)
+    except ImageTooLargeError as exc:
+        raise InvalidRequestError(str(exc), param=ref.param, code="image_too_large") from None
+    except ProcessorError as exc:
+        raise InvalidRequestError(str(exc), param=ref.param, code="invalid_image") from None
+
+
+def _frame_images(video: VideoTokens, blob: bytes, frames: dict[str, tuple[VideoTokens, int]],
+                  by_hash: dict[str, bytes]) -> list[ImageInput]:
+    """A video's sampled frames as images (no pixels: the encode instance decodes them),
+    each keyed by `frame_content_key` (the video's key and the frame's position)."""
+    out = []
+    for index in range(video.grid_thw[0]):  # grid (n, H, W): one row of frames per sampled frame
+        key = frame_content_key(video.content_hash, index)
+        frames[key] = (video, index)
+        by_hash[key] = blob
+        out.append(ImageInput(None, key, video.width, video.height))
+    return out
+
+
+def _videos_as_frames(messages: list[dict[str, Any]], counts: list[int]) -> list[dict[str, Any]]:
+    """Each `{"type": "video"}` part replaced, in place, by one `{"type": "image"}` per
+    sampled frame: the chat template renders them as the images they are fed as."""
+    pending = iter(counts)
+    out = []
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, list):
+            parts: list[Any] = []
+            for part in content:
+                is_video = isinstance(part, dict) and part.get("type") == "video"
+                parts.extend([{"type": "image"}] * next(pending) if is_video else [part])
+            msg = {**msg, "content": parts}
+        out.append(msg)
+    return out
+
+
+def _as_frame(item: MMItem, frames: dict[str, tuple[VideoTokens, int]]) -> MMItem:
+    if item.content_hash not in frames:
+        return item
+    video, index = frames[item.content_hash]
+    return replace(item, frame_of=video.content_hash, frame_index=index, frame_count=video.grid_thw[0],
+                   video_options=video.options)
 
 
 def _check_placeholders(state: RouterState, prompt: Prompt) -> None:

@@ -22,7 +22,7 @@ from triptych.processor import PromptError
 from triptych.router.config import RouterConfig
 from triptych.router.errors import InvalidRequestError
 from triptych.stage_protocol import VideoOptions, video_content_key
-from triptych.video_processing import VideoProcessorConfig, VideoTokens
+from triptych.video_processing import FRAMES_AS_IMAGES_MODEL_TYPES, VideoProcessorConfig, VideoTokens
 from triptych.worker.video import (
     EmptyVideoError,
     SamplingOptions,
@@ -47,17 +47,24 @@ class VideoModel:
     """What a checkpoint needs to count a video's tokens."""
 
     config: VideoProcessorConfig
-    video_token_id: int
+    video_token_id: int | None  # None: the frames are taken as images (LLaVA)
     uses_seconds_per_grid: bool  # Qwen2.5-VL: M-RoPE temporal spacing from tokens_per_second
+
+    @property
+    def frames_as_images(self) -> bool:
+        return self.config.frames_as_images
 
 
 @cache
 def video_model(model_dir: str) -> VideoModel | None:
-    """None when the checkpoint takes no video (LLaVA: no video token)."""
+    """None when the checkpoint takes no video. LLaVA has no video token: it takes each
+    sampled frame as one image (`VideoProcessorConfig.for_frames_as_images`)."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
+    if cfg.get("model_type") in FRAMES_AS_IMAGES_MODEL_TYPES:
+        return VideoModel(VideoProcessorConfig.for_frames_as_images(), None, False)
     token = cfg.get("video_token_id")
     if not isinstance(token, int):
         return None
@@ -75,6 +82,9 @@ def resolve_options(kwargs: dict[str, Any] | None, model: VideoModel, config: Ro
     if unknown:
         raise InvalidRequestError(f"unsupported mm_processor_kwargs key(s): {', '.join(unknown)} (accepted: "
                                   f"{', '.join(MM_PROCESSOR_KWARGS)})", param=_PARAM)
+    if model.frames_as_images and (bounds := sorted(set(kwargs) & set(PIXEL_KEYS))):
+        raise InvalidRequestError(f"mm_processor_kwargs {', '.join(bounds)}: this model takes a video's frames as "
+                                  "images, each sized by its image processor (a fixed size)", param=_PARAM)
     try:
         cfg = model.config.with_pixel_bounds(kwargs.get("min_pixels"), kwargs.get("max_pixels"))
         options = SamplingOptions.from_request({k: v for k, v in kwargs.items() if k in SAMPLING_KEYS},
@@ -87,6 +97,8 @@ def resolve_options(kwargs: dict[str, Any] | None, model: VideoModel, config: Ro
                                   param=_PARAM)
     options = options.model_copy(update={"max_frames": min(options.max_frames, cap)})
     resolved = {**options.model_dump(), "min_pixels": cfg.min_pixels, "max_pixels": cfg.max_pixels}
+    if model.frames_as_images:  # no video pixel bounds: the image processor sizes each frame
+        resolved.update(min_pixels=None, max_pixels=None)
     return cfg, options, resolved
 
 

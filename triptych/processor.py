@@ -85,6 +85,16 @@ class MMItem:
     # Videos: the resolved sampling/pixel options (stage_protocol.VideoOptions fields) the
     # encoder needs to decode the same frames the router counted.
     video_options: Mapping[str, Any] | None = field(default=None, compare=False)
+    # An image that is a video's sampled frame (LLaVA takes videos as images): the video's
+    # MM key, the frame's position among the sampled frames and their count.
+    frame_of: str | None = None
+    frame_index: int = 0
+    frame_count: int = 0
+
+    @property
+    def unit(self) -> str:
+        """What is planned, sent and decoded as one: a frame's video, else the item itself."""
+        return self.frame_of if self.frame_of is not None else self.content_hash
 
 
 @dataclass(frozen=True)

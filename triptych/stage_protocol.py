@@ -83,6 +83,17 @@ class VideoSegmentRequest(BaseModel):
     options: VideoOptions = VideoOptions()
 
 
+class VideoFrame(BaseModel):
+    """Where an image item comes from when a model takes a video's sampled frames as images
+    (LLaVA, docs/video.md): frame `index` of the `count` frames sampled from the video whose
+    MM key (`video_content_key`) is `video`. The frames of one video travel, are decoded and
+    are planned as one unit (the video's bytes or V parts are sent once, under `video`)."""
+
+    video: str
+    index: int = Field(ge=0)
+    count: int = Field(ge=1)
+
+
 class MMItemSpec(BaseModel):
     """One image (or video) of a prompt, located by its placeholder run."""
 
@@ -95,14 +106,23 @@ class MMItemSpec(BaseModel):
     video: VideoOptions | None = None  # videos: how to sample and size the frames
     # videos decoded on V instances: the parts to pull, in order (no bytes are sent then)
     video_parts: list[VideoPart] | None = None
+    frame: VideoFrame | None = None  # an image that is a video's sampled frame (LLaVA)
+
+    @property
+    def unit(self) -> str:
+        """What is planned, sent and decoded as one: a frame's video, else the item itself."""
+        return self.frame.video if self.frame is not None else self.content_hash
 
     @classmethod
     def of(cls, item: Any) -> MMItemSpec:
         """From a `triptych.processor.MMItem` (the router's prompt items)."""
         video = getattr(item, "video_options", None)
+        frame_of = getattr(item, "frame_of", None)
+        frame = (VideoFrame(video=frame_of, index=item.frame_index, count=item.frame_count)
+                 if frame_of is not None else None)
         return cls(kind=item.kind, offset=item.offset, length=item.length, content_hash=item.content_hash,
                    grid_thw=item.grid_thw, second_per_grid_t=getattr(item, "second_per_grid_t", None),
-                   video=VideoOptions.model_validate(dict(video)) if video is not None else None)
+                   video=VideoOptions.model_validate(dict(video)) if video is not None else None, frame=frame)
 
 
 def video_content_key(data: bytes, options: VideoOptions) -> str:
@@ -111,6 +131,13 @@ def video_content_key(data: bytes, options: VideoOptions) -> str:
     the encode instance recomputes it from the bytes it is sent (a mismatch is refused)."""
     opts = json.dumps(options.model_dump(), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(f"video:{hashlib.sha256(data).hexdigest()}:{opts}".encode()).hexdigest()
+
+
+def frame_content_key(video_key: str, index: int) -> str:
+    """The MM cache key of frame `index` of a video taken as images: derived from the video's
+    key (bytes and sampling options), so it never collides with an image (sha256 of its
+    bytes) nor with another video's frames."""
+    return hashlib.sha256(f"frame:{video_key}:{index}".encode()).hexdigest()
 
 
 class MMSource(BaseModel):

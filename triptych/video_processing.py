@@ -35,6 +35,8 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 DEFAULT_MIN_PIXELS = 128 * 28 * 28
 DEFAULT_MAX_PIXELS = 28 * 28 * 768
 DEFAULT_FPS = 2.0  # Qwen's tooling (qwen-vl-utils) and vLLM's Qwen video default
+# Checkpoints with no video input of their own: each sampled frame is fed as one image.
+FRAMES_AS_IMAGES_MODEL_TYPES = ("llava",)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,21 @@ class VideoProcessorConfig:
     fps: float = DEFAULT_FPS
     min_frames: int = 4
     max_frames: int = 768
+    # LLaVA takes a video's sampled frames as images: the "patches" are then the RGB frames
+    # themselves, one pixel per row (see `frames_as_images`).
+    frames_as_images: bool = False
+
+    @classmethod
+    def for_frames_as_images(cls) -> VideoProcessorConfig:
+        """The config of a model that takes a video's sampled frames as images (LLaVA).
+        The temporal patch size is 1 (no temporal merge), so sampling floors the frame count
+        to a multiple of 1 and GOP sets need no alignment. Patches are 1x1 pixels, neither
+        resized, rescaled nor normalized: `preprocess_frames` then yields the frames as they
+        were decoded ([n*H*W, 3] float32, exact for uint8), which is what a V instance hands
+        the encode instance; there each frame goes through the checkpoint's own image
+        processor, as an image does (pixel bounds are the image processor's: a fixed size)."""
+        return cls(patch_size=1, temporal_patch_size=1, merge_size=1, min_pixels=1, max_pixels=2**62,
+                   do_resize=False, do_rescale=False, do_normalize=False, frames_as_images=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VideoProcessorConfig:
@@ -80,6 +97,8 @@ class VideoProcessorConfig:
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> VideoProcessorConfig:
         model_dir = Path(model_dir)
+        if _read_json(model_dir / "config.json").get("model_type") in FRAMES_AS_IMAGES_MODEL_TYPES:
+            return cls.for_frames_as_images()
         nested = _read_json(model_dir / "processor_config.json").get("video_processor")
         if isinstance(nested, dict):
             return cls.from_dict(nested)
@@ -155,6 +174,16 @@ def preprocess_segments(segments: Sequence[np.ndarray], config: VideoProcessorCo
         raise PromptError("video segments resize to different frame sizes")
     t = sum(p.grid_thw[0] for p in parts)
     return VideoPatches(np.concatenate([p.pixel_values_videos for p in parts]), (t, *parts[0].grid_thw[1:]))
+
+
+def frames_from_patches(rows: np.ndarray, grid_thw: tuple[int, int, int]) -> np.ndarray:
+    """The RGB frames [n, H, W, 3] uint8 back from `preprocess_frames` rows of a
+    `frames_as_images` config (grid (n, H, W), one pixel per row)."""
+    n, height, width = grid_thw
+    flat = np.asarray(rows)
+    if flat.shape != (n * height * width, 3):
+        raise PromptError(f"frame rows {flat.shape} do not hold {n} frames of {width}x{height}")
+    return flat.reshape(n, height, width, 3).astype(np.uint8)
 
 
 def _resize(video: np.ndarray, height: int, width: int) -> np.ndarray:

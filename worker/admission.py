@@ -59,16 +59,17 @@ def decode_payload(images: Mapping[str, str], items: Sequence[Any] = ()) -> dict
     """The stage request's base64 images (and videos) as bytes, each checked against its
     content hash: sha256 of the bytes for an image (as the router computes it:
     triptych.processor.ImageInput), `video_content_key` for a video item."""
-    videos = {it.content_hash: it for it in items if getattr(it, "kind", "image") == "video"}
+    videos = {it.content_hash: it.video for it in items if getattr(it, "kind", "image") == "video"}
+    # A video taken as frames (LLaVA) is sent once under its key, with its frames' options.
+    videos.update({it.frame.video: it.video for it in items if getattr(it, "frame", None) is not None})
     out: dict[str, bytes] = {}
     for h, data in images.items():
         try:
             raw = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise BadPayloadError(f"image payload is not base64: {exc}") from exc
-        video = videos.get(h)
-        actual = (video_content_key(raw, video.video) if video is not None and video.video is not None
-                  else hashlib.sha256(raw).hexdigest())
+        options = videos.get(h)
+        actual = video_content_key(raw, options) if options is not None else hashlib.sha256(raw).hexdigest()
         if actual != h:
             raise BadPayloadError(f"image sent under content hash {h[:16]} hashes to {actual[:16]}; refused")
         out[h] = raw

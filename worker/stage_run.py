@@ -95,6 +95,7 @@ async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request
     if Stage.ENCODE not in req.stages or inst.engine is None:
         return
     videos = inst.engine.admission.videos
+    await _decode_frame_videos(inst, req)
     for item in req.mm_items:
         h = item.content_hash
         if item.kind != "video" or h in req.vision_inputs:
@@ -109,6 +110,29 @@ async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request
             req.vision_inputs[h] = videos.from_parts(rows, grid, item)
         elif h in req.images:
             req.vision_inputs[h] = await asyncio.to_thread(videos.prepare, req.images[h], item)
+
+
+async def _decode_frame_videos(inst: InstanceRuntime, req: Request) -> None:
+    """Videos taken as images (LLaVA): each video is decoded (or its V parts pulled) once,
+    as a video is, and its sampled frames become the inputs of its frame items."""
+    assert inst.engine is not None
+    videos = inst.engine.admission.videos
+    groups: dict[str, list[Any]] = {}
+    for item in req.mm_items:
+        if item.frame is not None and item.content_hash not in req.vision_inputs:
+            groups.setdefault(item.frame.video, []).append(item)
+    for key, items in groups.items():
+        parts = next((it.video_parts for it in items if it.video_parts), None)
+        if parts is None and all(videos_cached(inst, it.content_hash) for it in items):
+            continue  # sent to the instance whose MM cache holds its frames: no decode
+        if parts is not None and key not in req.images:  # decoded on V instances: pull the frames
+            assert inst.transfer is not None
+            rows, grid = await asyncio.to_thread(inst.video_puller.pull, inst.transfer, parts,
+                                                 videos.patch_dim, inst.settings.pull_timeout_s)
+            frames = videos.frames_from_parts(rows, grid)
+            req.vision_inputs.update(await asyncio.to_thread(videos.frame_inputs, frames, items))
+        elif key in req.images:
+            req.vision_inputs.update(await asyncio.to_thread(videos.prepare_frames, req.images[key], items))
 
 
 def videos_cached(inst: InstanceRuntime, content_hash: str) -> bool:

@@ -15,7 +15,8 @@ from routerkit import ScriptedBackend, chat_body, image_part, solid_png
 from triptych.processor import MultimodalProcessor
 from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
-from triptych.stage_protocol import MMItemSpec
+from triptych.router.videos import video_key
+from triptych.stage_protocol import MMItemSpec, frame_content_key
 from triptych.worker.video import video_id
 from triptych.worker.video.synthetic import audio_only_clip, make_clip
 
@@ -129,9 +130,67 @@ async def test_http_video_needs_the_allow_list(client: httpx.AsyncClient) -> Non
     assert resp.status_code == 400 and "disabled" in resp.json()["error"]["message"]
 
 
-async def test_llava_refuses_video(llava_dir, backend: ScriptedBackend) -> None:
+def _llava_client(llava_dir, backend: ScriptedBackend) -> httpx.AsyncClient:
     config = RouterConfig(model=llava_dir, served_model_name="tiny-qwen", max_model_len=512)
     app = create_app(config, backend, processor=MultimodalProcessor.from_pretrained(llava_dir))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+
+
+async def test_llava_takes_the_sampled_frames_as_images(llava_dir, backend: ScriptedBackend) -> None:
+    from hf_reference import hf_prompt_ids, make_test_image
+
+    png = solid_png(56, 56)
+    body = chat_body([video_part(clip()), image_part(png), {"type": "text", "text": "what happens?"}],
+                     mm_processor_kwargs={"fps": 3})
+    async with _llava_client(llava_dir, backend) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    (req,) = backend.requests
+    # 48 frames at 24 fps sampled at 3 fps: 6 frames (temporal patch 1: no rounding to pairs),
+    # each one image run of the image processor's 16 tokens, in frame order, then the image.
+    *frames, image = req.mm_items
+    assert len(frames) == 6 and [f.kind for f in req.mm_items] == ["image"] * 7
+    assert [f.frame_index for f in frames] == list(range(6)) and {f.frame_count for f in frames} == {6}
+    assert {f.length for f in req.mm_items} == {16} and image.frame_of is None
+    key = frames[0].frame_of
+    assert {f.frame_of for f in frames} == {key} and key == video_key(clip(), frames[0].video_options)
+    assert [f.content_hash for f in frames] == [frame_content_key(key, i) for i in range(6)]
+    assert len({*[f.content_hash for f in frames], image.content_hash, key}) == 8  # no collision
+    assert req.images == [clip()] * 6 + [png]
+    # The prompt is the HF processor's for the same messages with the video as 6 images.
+    hf_messages = [{"role": "user", "content": [*[{"type": "image"}] * 6, {"type": "image"},
+                                                {"type": "text", "text": "what happens?"}]}]
+    dummy = [make_test_image(0, 56, 56)] * 7
+    assert req.prompt_token_ids == hf_prompt_ids(llava_dir, hf_messages, dummy)
+    spec = MMItemSpec.of(frames[2])
+    assert spec.frame is not None and (spec.frame.video, spec.frame.index, spec.frame.count) == (key, 2, 6)
+    assert spec.unit == key and spec.video is not None and spec.video.fps == 3
+    assert spec.video.min_pixels is None and spec.video.max_pixels is None
+
+
+async def test_llava_refuses_video_pixel_bounds(llava_dir, backend: ScriptedBackend) -> None:
+    body = chat_body([video_part(clip())], mm_processor_kwargs={"max_pixels": 50000})
+    async with _llava_client(llava_dir, backend) as client:
+        resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "mm_processor_kwargs" and "max_pixels" in error["message"]
+    assert not backend.requests
+
+
+async def test_a_model_without_video_input_refuses_video(qwen2_vl_dir, tmp_path, backend: ScriptedBackend) -> None:
+    """A checkpoint with neither a video token nor frames-as-images support (here: Qwen2-VL
+    with its video token removed) still answers 400 unsupported_content."""
+    import json
+    import shutil
+
+    model = tmp_path / "no-video"
+    shutil.copytree(qwen2_vl_dir, model)
+    cfg = json.loads((model / "config.json").read_text())
+    del cfg["video_token_id"]
+    (model / "config.json").write_text(json.dumps(cfg))
+    config = RouterConfig(model=model, served_model_name="tiny-qwen", max_model_len=512)
+    app = create_app(config, backend, processor=MultimodalProcessor.from_pretrained(model))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
         resp = await client.post("/v1/chat/completions", json=chat_body([video_part(clip())]))
     assert resp.status_code == 400, resp.text

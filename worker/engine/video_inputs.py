@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+from PIL import Image
 from prometheus_client import Counter
 
 from triptych.processor import ProcessorError
-from triptych.video_processing import VideoProcessorConfig, preprocess_frames
+from triptych.stage_protocol import frame_content_key
+from triptych.video_processing import VideoProcessorConfig, frames_from_patches, preprocess_frames
 from triptych.worker.engine.request import RequestValidationError
 from triptych.worker.transfer.base import registry_metric
 from triptych.worker.video import CollaborativeDecoder, LocalSlot, SamplingOptions, VideoError, VideoLimits
@@ -69,23 +72,71 @@ class VideoInputs:
         """The `VisionInput` of one video item (MMItemSpec or processor.MMItem)."""
         if not hasattr(self.vision, "video_input"):
             raise InvalidVideoInputError("this model takes no video input")
+        frames, config = self._decode(data, item)
+        try:
+            patches = preprocess_frames(frames, config)
+        except (ProcessorError, ValueError) as exc:
+            raise InvalidVideoInputError(f"video {item.content_hash[:16]}: {exc}") from exc
+        return self._wrap(patches.pixel_values_videos, patches.grid_thw, item)
+
+    def prepare_frames(self, data: bytes, items: Sequence[Any]) -> dict[str, Any]:
+        """A video taken as images (LLaVA): decode it once, exactly as a video (the same
+        sampling, the same collaborative decoder), then each sampled frame is one image
+        item's input (`frame_inputs`). `items`: the frame items of that one video."""
+        frames, _ = self._decode(data, items[0])
+        return self.frame_inputs(frames, items)
+
+    def _decode(self, data: bytes, item: Any) -> tuple[Any, VideoProcessorConfig]:
+        """The sampled RGB frames [n, H, W, 3] of a video item and its processor config."""
         options = _options(item)
         config, pool = self._setup()
+        name = getattr(getattr(item, "frame", None), "video", None) or item.content_hash
         try:
             config = config.with_pixel_bounds(options.get("min_pixels"), options.get("max_pixels"))
             sampling = SamplingOptions.from_request(
                 {k: v for k, v in options.items() if k in SamplingOptions.model_fields}, config.sampling_defaults())
             video = pool.decode(bytes(data), config.temporal_patch_size, sampling, VideoLimits(),
                                 timeout=DECODE_TIMEOUT_S)
-            patches = preprocess_frames(video.frames(), config)
+            frames = video.frames()
         except (VideoError, ProcessorError, ValueError) as exc:
-            raise InvalidVideoInputError(f"video {item.content_hash[:16]}: {exc}") from exc
+            raise InvalidVideoInputError(f"video {name[:16]}: {exc}") from exc
         except TimeoutError as exc:
-            raise InvalidVideoInputError(f"video {item.content_hash[:16]} did not decode in "
-                                         f"{DECODE_TIMEOUT_S:g}s") from exc
+            raise InvalidVideoInputError(f"video {name[:16]} did not decode in {DECODE_TIMEOUT_S:g}s") from exc
         # A failing decoder service raises RemoteDecoderError (a RuntimeError): ours, a 500.
         VIDEOS_DECODED.labels("encoder+v" if self.remote_urls else "encoder").inc()
-        return self._wrap(patches.pixel_values_videos, patches.grid_thw, item)
+        return frames, config
+
+    def frame_inputs(self, frames: Any, items: Sequence[Any]) -> dict[str, Any]:
+        """Each frame item's `VisionInput`: its sampled frame through the checkpoint's image
+        processor, exactly as an image (`vision.preprocess`). The frames must be the ones
+        the router counted (as many, the keys derived from the video's)."""
+        out: dict[str, Any] = {}
+        for item in items:
+            frame = item.frame
+            if frame.count != len(frames) or frame.index >= len(frames):
+                raise InvalidVideoInputError(
+                    f"video {frame.video[:16]} decodes to {len(frames)} sampled frames; its placeholders are "
+                    f"for {frame.count} (frame {frame.index})")
+            if item.content_hash != frame_content_key(frame.video, frame.index):
+                raise InvalidVideoInputError(f"frame item {item.content_hash[:16]} is not frame {frame.index} "
+                                             f"of video {frame.video[:16]}")
+            vin = self.vision.preprocess(Image.fromarray(np.ascontiguousarray(frames[frame.index])))
+            if vin.num_tokens != item.length:
+                raise InvalidVideoInputError(f"frame {frame.index} of video {frame.video[:16]} gives "
+                                             f"{vin.num_tokens} visual tokens but its placeholder run has {item.length}")
+            out[item.content_hash] = vin
+        return out
+
+    def frames_from_parts(self, rows: Any, grid_thw: tuple[int, int, int]) -> Any:
+        """The RGB frames of a video taken as images, decoded on V instances (pulled rows)."""
+        if not self._setup()[0].frames_as_images:
+            raise InvalidVideoInputError("this model takes videos as video input, not as frames")
+        try:
+            frames = frames_from_patches(np.asarray(rows), grid_thw)
+        except ProcessorError as exc:
+            raise InvalidVideoInputError(str(exc)) from exc
+        VIDEOS_DECODED.labels("v").inc()
+        return frames
 
     @property
     def patch_dim(self) -> int:
