@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hf_reference import hf_model, hf_processor, make_test_image, png_bytes
+from hf_reference import hf_generate, hf_model, hf_processor, make_test_image, png_bytes
+from PIL import Image
 
 from triptych.video_processing import VideoProcessorConfig, preprocess_frames
 from triptych.worker.video import SamplingOptions, index_video, sample_frame_indices, second_per_grid_t
@@ -76,6 +77,8 @@ def expected_ids(model_dir: Path, case: VideoCase) -> list[int]:
     index = index_video(case.video)
     options = SamplingOptions.from_request({"fps": case.fps} if case.fps else {}, cfg.sampling_defaults())
     frames = sample_frame_indices(index.total_num_frames, index.fps, cfg.temporal_patch_size, options)
+    if cfg.frames_as_images:
+        return _expected_frames_as_images(model_dir, case, sequential_decode(case.video)[frames])
     patches = preprocess_frames(sequential_decode(case.video)[frames], cfg)
     hf_proc = hf_processor(str(model_dir))
     text = hf_proc.apply_chat_template(case.hf_messages(), tokenize=False, add_generation_prompt=True)
@@ -96,6 +99,19 @@ def expected_ids(model_dir: Path, case: VideoCase) -> list[int]:
         out = hf_model(str(model_dir)).generate(**inputs, max_new_tokens=case.max_tokens, do_sample=False,
                                                 num_beams=1)
     return out[0, ids.shape[1]:].tolist()
+
+
+def _expected_frames_as_images(model_dir: Path, case: VideoCase, frames: Any) -> list[int]:
+    """LLaVA: transformers' `LlavaForConditionalGeneration` fed the sampled frames (temporal
+    patch 1: transformers' sampling with the count rounded to a multiple of 1) as a list of
+    images, in frame order, where the video part was."""
+    content: list[dict[str, Any]] = []
+    for part in case.hf_messages()[0]["content"]:
+        content.extend([{"type": "image"}] * len(frames) if part["type"] == "video" else [part])
+    images = [Image.fromarray(f) for f in frames]
+    if case.with_image:
+        images = [case.image, *images]
+    return hf_generate(model_dir, [{"role": "user", "content": content}], images, case.max_tokens)
 
 
 @cache

@@ -16,6 +16,7 @@ from triptych.worker.engine.request import (
     RequestValidationError,
     StageNotServedError,
 )
+from triptych.worker.engine.video_inputs import InvalidVideoInputError
 from triptych.worker.migration.errors import (
     BadHandleError,
     HandoffExpiredError,
@@ -68,6 +69,7 @@ def http_status(exc: BaseException) -> int:
 _CODE: tuple[tuple[type[BaseException], str], ...] = (
     (ImageTooLargeError, "image_too_large"),
     (InvalidImageError, "invalid_image"),
+    (InvalidVideoInputError, "invalid_video"),  # a video whose frames only the decoder finds bad
 )
 
 
