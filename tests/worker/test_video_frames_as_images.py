@@ -1,0 +1,97 @@
+"""A video taken as images (LLaVA) on the encode instance: decoded once with the video
+path's sampling (temporal patch 1), each sampled frame one image item's input, in frame
+order; V-instance rows carry the RGB frames bit for bit; a run whose frame items do not
+match the decoded frames is refused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from videokit import clip
+
+from triptych.stage_protocol import MMItemSpec, VideoFrame, VideoOptions, frame_content_key, video_content_key
+from triptych.video_processing import (
+    VideoProcessorConfig,
+    frames_from_patches,
+    preprocess_frames,
+    preprocess_segments,
+)
+from triptych.worker.engine.video_inputs import InvalidVideoInputError, VideoInputs
+from triptych.worker.video import SamplingOptions, index_video, sample_frame_indices
+from triptych.worker.video.synthetic import sequential_decode
+
+
+@dataclass
+class _Input:
+    frame: np.ndarray
+    num_tokens: int = 16
+
+
+class _Vision:
+    """Stands in for LlavaVisionModel.preprocess: records the image it was given."""
+
+    def preprocess(self, image: Any) -> _Input:
+        return _Input(np.asarray(image))
+
+
+def _items(key: str, count: int, length: int = 16) -> list[MMItemSpec]:
+    return [MMItemSpec(offset=i * (length + 1), length=length, content_hash=frame_content_key(key, i),
+                       video=VideoOptions(fps=3.0), frame=VideoFrame(video=key, index=i, count=count))
+            for i in range(count)]
+
+
+def _sampled(data: bytes, fps: float) -> np.ndarray:
+    index = index_video(data)
+    cfg = VideoProcessorConfig.for_frames_as_images()
+    frames = sample_frame_indices(index.total_num_frames, index.fps, 1,
+                                  SamplingOptions.from_request({"fps": fps}, cfg.sampling_defaults()))
+    return sequential_decode(data)[frames]
+
+
+def test_llava_checkpoint_reads_the_frames_as_images_config(llava_dir, qwen2_vl_dir) -> None:
+    cfg = VideoProcessorConfig.from_pretrained(llava_dir)
+    assert cfg.frames_as_images and cfg.temporal_patch_size == 1 and not cfg.do_resize
+    assert not VideoProcessorConfig.from_pretrained(qwen2_vl_dir).frames_as_images
+
+
+def test_rows_carry_the_rgb_frames_bit_for_bit() -> None:
+    frames = _sampled(clip(3), 7.0)
+    cfg = VideoProcessorConfig.for_frames_as_images()
+    whole = preprocess_frames(frames, cfg)
+    assert whole.grid_thw == (14, 56, 112) and whole.pixel_values_videos.shape == (14 * 56 * 112, 3)
+    assert np.array_equal(frames_from_patches(whole.pixel_values_videos, whole.grid_thw), frames)
+    parts = preprocess_segments([frames[:5], frames[5:]], cfg)  # odd cut: temporal patch 1, no alignment
+    assert np.array_equal(parts.pixel_values_videos, whole.pixel_values_videos)
+
+
+def test_encoder_decodes_once_and_feeds_each_frame_as_an_image(llava_dir) -> None:
+    data = clip(4)
+    key = video_content_key(data, VideoOptions(fps=3.0))
+    videos = VideoInputs(str(llava_dir), _Vision())
+    try:
+        inputs = videos.prepare_frames(data, _items(key, 6))
+    finally:
+        videos.close()
+    want = _sampled(data, 3.0)
+    assert len(want) == 6 and list(inputs) == [frame_content_key(key, i) for i in range(6)]
+    for i, vin in enumerate(inputs.values()):
+        assert np.array_equal(vin.frame, want[i]), i
+
+
+@pytest.mark.parametrize("bad", ["count", "key", "length"])
+def test_frame_items_that_do_not_match_the_video_are_refused(bad: str) -> None:
+    frames = _sampled(clip(3), 3.0)
+    key = "k" * 64
+    items = _items(key, 6)
+    if bad == "count":
+        items = _items(key, 7)
+    elif bad == "key":
+        items[2] = items[2].model_copy(update={"content_hash": frame_content_key(key, 3)})
+    else:
+        items = _items(key, 6, length=15)
+    videos = VideoInputs("unused", _Vision())
+    with pytest.raises(InvalidVideoInputError):
+        videos.frame_inputs(frames, items)
