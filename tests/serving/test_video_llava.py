@@ -4,7 +4,8 @@ fed the same sampled frames as a list of images (tests/videokit.py), streamed an
 and without an image in the same request, through EPD and 1E1P1D (the encode instance
 decodes the video itself) and 1V1E1P1D (a V instance decodes, the encode instance pulls the
 frames over NIXL). Bad videos are a 400 with an OpenAI error body and the deployment keeps
-serving. One deployment per topology, shared by the module's tests (CI has 2 cores)."""
+serving; a repeated video is not decoded again (its frames' embeddings are cached where the
+router sends it). One deployment per topology, shared by the module's tests (CI has 2 cores)."""
 
 from __future__ import annotations
 
@@ -87,4 +88,10 @@ def test_llava_bad_videos_are_400_and_serving_goes_on(deployment) -> None:
     assert "does not decode" in refused[-1]["error"]["message"], refused[-1]
     again = asyncio.run(servekit.run_all(dep.router_url, [CASES[1].openai_body(model.name)]))
     assert again[0]["status"] == 200 and again[0]["token_ids"] == _expected()[1]
+    # The repeat went (cache affinity by the video's key) to the encoder holding its frames'
+    # embeddings: nothing decoded again, anywhere.
+    encoder = _encoder(dep, topology)
+    decoded = sum(servekit.metric_sum(encoder.url, "triptych_worker_videos_decoded_total", where=where)
+                  for where in ("v", "encoder"))
+    assert decoded == len(CASES)
     servekit.assert_no_leaks(servekit.wait_idle(dep))
