@@ -86,12 +86,18 @@ def test_llava_bad_videos_are_400_and_serving_goes_on(deployment) -> None:
         assert got["error"]["param"] == "messages[0].content[0].video_url", got
     # Found only by decoding (the V instance's, else the encode instance's own decoder).
     assert "does not decode" in refused[-1]["error"]["message"], refused[-1]
-    again = asyncio.run(servekit.run_all(dep.router_url, [CASES[1].openai_body(model.name)]))
-    assert again[0]["status"] == 200 and again[0]["token_ids"] == _expected()[1]
-    # The repeat went (cache affinity by the video's key) to the encoder holding its frames'
-    # embeddings: nothing decoded again, anywhere.
     encoder = _encoder(dep, topology)
-    decoded = sum(servekit.metric_sum(encoder.url, "triptych_worker_videos_decoded_total", where=where)
-                  for where in ("v", "encoder"))
-    assert decoded == len(CASES)
+
+    def decoded() -> float:
+        return sum(servekit.metric_sum(encoder.url, "triptych_worker_videos_decoded_total", where=where)
+                   for where in ("v", "encoder"))
+
+    counts = [decoded()]
+    for _ in range(2):
+        again = asyncio.run(servekit.run_all(dep.router_url, [CASES[1].openai_body(model.name)]))
+        assert again[0]["status"] == 200 and again[0]["token_ids"] == _expected()[1]
+        counts.append(decoded())
+    # A repeat goes (cache affinity by the video's key) to the encoder holding its frames'
+    # embeddings: not decoded again, anywhere (the first may be new to this deployment).
+    assert counts[2] == counts[1] and counts[1] - counts[0] in (0, 1), counts
     servekit.assert_no_leaks(servekit.wait_idle(dep))

@@ -1,7 +1,8 @@
 """A video taken as images (LLaVA) on the encode instance: decoded once with the video
 path's sampling (temporal patch 1), each sampled frame one image item's input, in frame
-order; V-instance rows carry the RGB frames bit for bit; a run whose frame items do not
-match the decoded frames is refused."""
+order, and the engine's greedy tokens equal transformers' `LlavaForConditionalGeneration`
+fed those frames as images; V-instance rows carry the RGB frames bit for bit; a run whose
+frame items do not match the decoded frames is refused."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from videokit import clip
+from videokit import VideoCase, clip, expected_ids
 
+from triptych.processor import ImageInput, MultimodalProcessor
+from triptych.sampling_params import SamplingParams
 from triptych.stage_protocol import MMItemSpec, VideoFrame, VideoOptions, frame_content_key, video_content_key
 from triptych.video_processing import (
     VideoProcessorConfig,
@@ -19,7 +22,8 @@ from triptych.video_processing import (
     preprocess_frames,
     preprocess_segments,
 )
-from triptych.worker.engine.video_inputs import InvalidVideoInputError, VideoInputs
+from triptych.worker.engine import Engine, EngineConfig, Request
+from triptych.worker.engine.video_inputs import VIDEOS_DECODED, InvalidVideoInputError, VideoInputs
 from triptych.worker.video import SamplingOptions, index_video, sample_frame_indices
 from triptych.worker.video.synthetic import sequential_decode
 
@@ -95,3 +99,30 @@ def test_frame_items_that_do_not_match_the_video_are_refused(bad: str) -> None:
     videos = VideoInputs("unused", _Vision())
     with pytest.raises(InvalidVideoInputError):
         videos.frame_inputs(frames, items)
+
+
+@pytest.mark.usefixtures("one_thread")  # tests/worker/conftest.py
+def test_engine_takes_a_video_as_frames_like_transformers(llava_dir) -> None:
+    """The request as the router builds it (tests/router/test_router_video.py checks that):
+    the image, then the video's 6 frames as images keyed from the video's key; the video's
+    bytes given once, under that key."""
+    case = VideoCase(seed=4, fps=3.0, with_image=True, stream=False)
+    opts = VideoOptions(fps=3.0, min_frames=4, max_frames=768)
+    key = video_content_key(case.video, opts)
+    n = 6
+    proc = MultimodalProcessor.from_pretrained(llava_dir)
+    image = ImageInput.from_pil(case.image)
+    frames = [ImageInput(None, frame_content_key(key, i), 112, 56) for i in range(n)]
+    content = [*[{"type": "image"}] * (1 + n), {"type": "text", "text": case.prompt}]
+    prompt = proc.process([{"role": "user", "content": content}], [image, *frames])
+    items = [MMItemSpec.of(m) for m in prompt.mm_items]
+    items[1:] = [it.model_copy(update={"frame": VideoFrame(video=key, index=i, count=n), "video": opts})
+                 for i, it in enumerate(items[1:])]
+    engine = Engine(EngineConfig(model=str(llava_dir), max_num_seqs=1))
+    before = VIDEOS_DECODED.labels("encoder")._value.get()
+    req = Request("v", prompt.token_ids, SamplingParams(temperature=0.0, max_tokens=case.max_tokens),
+                  mm_items=items, images={image.content_hash: case.image, key: case.video})
+    (done,) = engine.generate_batch([req])
+    assert done.error is None
+    assert done.output_token_ids == expected_ids(llava_dir, case)
+    assert VIDEOS_DECODED.labels("encoder")._value.get() == before + 1  # one decode for 6 frames

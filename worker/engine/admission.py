@@ -129,6 +129,7 @@ class Admission:
         with self._lock:
             cached = {h for h in {it.content_hash for it in req.mm_items}
                       if self.mm is not None and self.mm.get(h) is not None}
+        self._prepare_frames(req, cached)
         for item in req.mm_items:
             h = item.content_hash
             if h in req.vision_inputs:
@@ -151,6 +152,19 @@ class Admission:
                     f"image {h[:16]} ({image.width}x{image.height}) gives {vin.num_tokens} visual tokens "
                     f"but its placeholder run has {item.length}")
             req.vision_inputs[h] = vin
+
+    def _prepare_frames(self, req: Request, cached: set[str]) -> None:
+        """Videos taken as images (LLaVA) given as bytes under the video's key: each decoded
+        once, its sampled frames the inputs of its frame items (stage_run does this before
+        admission, off the event loop; this serves direct callers of `add_request`)."""
+        groups: dict[str, list[Any]] = {}
+        for item in req.mm_items:
+            frame = getattr(item, "frame", None)
+            if frame is not None and item.content_hash not in req.vision_inputs and item.content_hash not in cached:
+                groups.setdefault(frame.video, []).append(item)
+        for key, items in groups.items():
+            if key in req.images:
+                req.vision_inputs.update(self.videos.prepare_frames(req.images[key], items))
 
     def _validate_prefilled(self, req: Request) -> None:
         pre = req.prefilled
