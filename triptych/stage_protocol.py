@@ -58,6 +58,18 @@ class VideoOptions(BaseModel):
 # answers with a `VideoPart`: a handle on its registered video buffer, pulled by the encode
 # instance like an embedding (HydraInfer §4.3 pull-based migration: lease, READ, confirm).
 VIDEO_ROWS_PER_BLOCK = 64  # patch rows per block of the video buffers (V source, E staging)
+# ... at least: a block holds at least 64 Qwen patch rows' worth of floats (64 x 1176). Rows
+# narrower than that (LLaVA's frames as images: one RGB pixel a row) get proportionally
+# more rows per block, so a frame is tens of blocks (transfer descriptors), not thousands.
+_VIDEO_BLOCK_MIN_FLOATS = VIDEO_ROWS_PER_BLOCK * 1176
+
+
+def video_rows_per_block(patch_dim: int) -> int:
+    """Rows per block of a video buffer whose rows are `patch_dim` floats wide (both ends
+    of a V -> E hand-over compute it from the same patch width)."""
+    return VIDEO_ROWS_PER_BLOCK * max(1, _VIDEO_BLOCK_MIN_FLOATS // (VIDEO_ROWS_PER_BLOCK * patch_dim))
+
+
 # The error code of a V instance's 503 while it drains (shutting down): it takes no new
 # upload or GOP set, so the router deals the set to another V instance instead.
 VIDEO_DRAINING = "draining"
@@ -70,7 +82,7 @@ class VideoPart(BaseModel):
     num_frames: int = Field(ge=1)  # sampled frames it holds
     rows: int = Field(ge=1)  # patch rows: grid_thw[0] * grid_thw[1] * grid_thw[2]
     grid_thw: tuple[int, int, int]
-    handle: Handle  # blocks of VIDEO_ROWS_PER_BLOCK rows in the V's "video" region
+    handle: Handle  # blocks of video_rows_per_block(patch width) rows in the V's "video" region
 
 
 class VideoSegmentRequest(BaseModel):

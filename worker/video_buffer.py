@@ -1,8 +1,8 @@
-"""A registered buffer of video pixel patches, in blocks of `VIDEO_ROWS_PER_BLOCK` rows.
+"""A registered buffer of video pixel patches, in blocks of `video_rows_per_block` rows.
 
 Both ends of the V -> E hand-over hold one: the V instance writes each decoded GOP set's
 patches into blocks it offers under a lease; the encode instance READs them into blocks of
-its own buffer (the same layout: float32 `[blocks, VIDEO_ROWS_PER_BLOCK, C*T*P*P]`), copies
+its own buffer (the same layout: float32 `[blocks, rows_per_block, C*T*P*P]`), copies
 the rows out and frees its blocks at once. The region is allocated once and registered
 once with the transfer engine (HydraInfer §4.3: registered memory, pull-based READs).
 """
@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import torch
 
-from triptych.stage_protocol import VIDEO_ROWS_PER_BLOCK
+from triptych.stage_protocol import video_rows_per_block
 
 REGION = "video"
 
@@ -27,10 +27,11 @@ class VideoBuffer:
     """Fixed-size block pool over one contiguous float32 tensor (thread-safe)."""
 
     def __init__(self, patch_dim: int, max_bytes: int) -> None:
-        block_nbytes = VIDEO_ROWS_PER_BLOCK * patch_dim * 4
+        self.rows_per_block = video_rows_per_block(patch_dim)
+        block_nbytes = self.rows_per_block * patch_dim * 4
         num_blocks = max(1, max_bytes // block_nbytes)
         # torch.empty: pages are committed as blocks are first written, not up front.
-        self.tensor = torch.empty((num_blocks, VIDEO_ROWS_PER_BLOCK, patch_dim), dtype=torch.float32)
+        self.tensor = torch.empty((num_blocks, self.rows_per_block, patch_dim), dtype=torch.float32)
         self.patch_dim = patch_dim
         self._free = list(range(num_blocks - 1, -1, -1))
         self._lock = threading.Lock()
@@ -44,9 +45,8 @@ class VideoBuffer:
         with self._lock:
             return len(self._free)
 
-    @staticmethod
-    def blocks_for(rows: int) -> int:
-        return -(-rows // VIDEO_ROWS_PER_BLOCK)
+    def blocks_for(self, rows: int) -> int:
+        return -(-rows // self.rows_per_block)
 
     def reserve(self, rows: int) -> list[int]:
         need = self.blocks_for(rows)
@@ -64,7 +64,7 @@ class VideoBuffer:
         """Copy `rows` [n, patch_dim] into the blocks, in order (the last one partly)."""
         flat = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
         for i, b in enumerate(block_ids):
-            chunk = flat[i * VIDEO_ROWS_PER_BLOCK:(i + 1) * VIDEO_ROWS_PER_BLOCK]
+            chunk = flat[i * self.rows_per_block:(i + 1) * self.rows_per_block]
             self.tensor[b, :len(chunk)].copy_(chunk)
 
     def read(self, block_ids: list[int], rows: int) -> np.ndarray:

@@ -65,7 +65,7 @@ class VideoPuller:
             except ValidationError as exc:
                 raise BadHandleError(f"malformed video part handle: {exc.errors()[0]['msg']}") from exc
             if part.rows != part.grid_thw[0] * part.grid_thw[1] * part.grid_thw[2] or \
-                    VideoBuffer.blocks_for(part.rows) != len(handle.block_ids):
+                    buffer.blocks_for(part.rows) != len(handle.block_ids):
                 raise BadHandleError(f"video part {part.index}: {part.rows} rows do not fit grid {part.grid_thw} "
                                      f"and {len(handle.block_ids)} blocks")
             try:

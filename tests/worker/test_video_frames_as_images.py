@@ -126,3 +126,18 @@ def test_engine_takes_a_video_as_frames_like_transformers(llava_dir) -> None:
     assert done.error is None
     assert done.output_token_ids == expected_ids(llava_dir, case)
     assert VIDEOS_DECODED.labels("encoder")._value.get() == before + 1  # one decode for 6 frames
+
+
+def test_rgb_rows_get_large_blocks_and_round_trip() -> None:
+    from triptych.stage_protocol import video_rows_per_block
+    from triptych.worker.video_buffer import VideoBuffer
+
+    assert video_rows_per_block(1176) == 64  # Qwen's 14x14x2x3 patches: unchanged
+    assert video_rows_per_block(3) == 64 * 392  # one RGB pixel a row: the same bytes per block
+    frames = _sampled(clip(3), 3.0)
+    rows = preprocess_frames(frames, VideoProcessorConfig.for_frames_as_images()).pixel_values_videos
+    buffer = VideoBuffer(3, 4 << 20)
+    ids = buffer.reserve(len(rows))
+    assert len(ids) == buffer.blocks_for(len(rows)) == 2  # 6 frames of 112x56: 37,632 rows
+    buffer.write(ids, rows)
+    assert np.array_equal(frames_from_patches(buffer.read(ids, len(rows)), (6, 56, 112)), frames)
