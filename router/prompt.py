@@ -226,7 +226,7 @@ def _frame_images(video: VideoTokens, blob: bytes, frames: dict[str, tuple[Video
     """A video's sampled frames as images (no pixels: the encode instance decodes them),
     each keyed by `frame_content_key` (the video's key and the frame's position)."""
     out = []
-    for index in range(video.grid_thw[0]):  # grid (n, H, W): one row of frames per sampled frame
+    for index in range(video.grid_thw[0]):  # the frames-as-images grid is (n sampled frames, H, W)
         key = frame_content_key(video.content_hash, index)
         frames[key] = (video, index)
         by_hash[key] = blob
