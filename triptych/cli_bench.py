@@ -44,6 +44,13 @@ def _add_topologies(p: argparse.ArgumentParser, default: str | None, help: str |
     p.add_argument("--topologies", default=default, help=help)
 
 
+def _add_capped_instances(p: argparse.ArgumentParser) -> None:
+    """Every instance of the benchmark's local deployments under a CPU quota (half a CPU
+    unless given) and its weight: simulate-validate and autoscale-shift run the same way."""
+    add_instance_cpus(p, QUOTA_HELP, 0.5)
+    add_priority(p)
+
+
 def _add_local_run_report(p: argparse.ArgumentParser) -> None:
     """The tail of a benchmark that starts its own local deployments and writes a report."""
     add_transfer_require(p)
@@ -172,8 +179,7 @@ def _add_simulate_validate(bsub: argparse._SubParsersAction) -> None:
     add_request_shape(v, 16, [224, 224])
     v.add_argument("--prompt-tokens", type=int, default=32, help="text tokens per request")
     v.add_argument("--output-tokens", type=int, default=16)
-    add_instance_cpus(v, QUOTA_HELP, 0.5)
-    add_priority(v)
+    _add_capped_instances(v)
     v.add_argument("--profile", default=None, help="a profile JSON (default: measure one at the quota)")
     v.add_argument("--save-profile", default=None, help="where the measured profile goes")
     v.add_argument("--fit-overheads", action=argparse.BooleanOptionalAction, default=True,
@@ -191,8 +197,7 @@ def _add_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
                         help="serve --autoscale vs static under a workload shift (SLO attainment, lost requests)")
     add_model(a)
     add_topology(a, "2E1P1D")
-    add_instance_cpus(a, QUOTA_HELP, 0.5)
-    add_priority(a)
+    _add_capped_instances(a)
     a.add_argument("--rate", type=float, default=2.0, help="requests/s in both phases")
     a.add_argument("--phase-seconds", type=float, default=40.0, help="length of each phase")
     a.add_argument("--after-seconds", type=float, default=None,
