@@ -6,10 +6,11 @@ import time
 from collections.abc import Callable
 
 
-def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0, interval_s: float = 0.01) -> bool:
+    """True as soon as `pred()` holds; False if it still does not at the deadline."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if pred():
             return True
-        time.sleep(0.01)
+        time.sleep(interval_s)
     return pred()

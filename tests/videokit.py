@@ -19,6 +19,7 @@ import torch
 from hf_reference import hf_generate, hf_model, hf_processor, make_test_image, png_bytes
 from PIL import Image
 
+from triptych.tiny_model import tiny_model_path
 from triptych.video_processing import VideoProcessorConfig, preprocess_frames
 from triptych.worker.video import SamplingOptions, index_video, sample_frame_indices, second_per_grid_t
 from triptych.worker.video.synthetic import make_clip, sequential_decode
@@ -112,6 +113,28 @@ def _expected_frames_as_images(model_dir: Path, case: VideoCase, frames: Any) ->
     if case.with_image:
         images = [case.image, *images]
     return hf_generate(model_dir, [{"role": "user", "content": content}], images, case.max_tokens)
+
+
+# The serving tests' requests: explicit and default fps, with and without an image, both modes.
+SERVING_CASES = [
+    VideoCase(seed=3, fps=7.0, with_image=False, stream=True),
+    VideoCase(seed=4, fps=7.0, with_image=True, stream=False),
+    VideoCase(seed=5, fps=None, with_image=False, stream=False),  # the default 2 fps
+    VideoCase(seed=6, fps=None, with_image=True, stream=True),
+]
+
+
+@cache
+def serving_expected(family: str) -> list[list[int]]:
+    """The reference tokens of SERVING_CASES on the tiny checkpoint of `family`."""
+    return [expected_ids(tiny_model_path(family), c) for c in SERVING_CASES]
+
+
+def bad_video_body(model: str, data: bytes) -> dict[str, Any]:
+    """A chat request whose one video is `data` (a clip the server should refuse)."""
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(data)}}
+    return {"model": model, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}],
+            "max_tokens": 4}
 
 
 @cache

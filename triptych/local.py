@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from triptych.cpu_quota import DeploymentGroups, QuotaUnavailable, threads_for
+from triptych.http_ready import answers_ok
 from triptych.topology import UNASSIGNED, InstanceType, parse_topology
 
 log = logging.getLogger("triptych.local")
@@ -241,11 +242,8 @@ class LocalDeployment:
                 for proc in list(pending):
                     if proc.popen.poll() is not None:
                         raise StartupError(f"{proc.name} exited with code {proc.popen.returncode}")
-                    try:
-                        if client.get(f"{proc.url}{proc.ready_path}").status_code == 200:
-                            pending.remove(proc)
-                    except httpx.HTTPError:
-                        pass
+                    if answers_ok(f"{proc.url}{proc.ready_path}", client=client):
+                        pending.remove(proc)
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(p.name for p in pending)
                     raise StartupError(f"not ready after {self.startup_timeout_s:.0f}s: {names}")

@@ -19,8 +19,10 @@ import httpx
 import pytest
 import yaml
 from PIL import Image
+from polling import wait_until
 
 from triptych import dashboards
+from triptych.http_ready import answers_ok
 from triptych.local import LocalDeployment, free_port, resolve_model
 from triptych.topology import parse_topology
 
@@ -128,15 +130,7 @@ def prometheus_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stop, errors = threading.Event(), []
         threads = [threading.Thread(target=_load, args=(dep.router_url, model, stop, errors)) for _ in range(2)]
         try:
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                try:
-                    if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.5)
-            else:
+            if not wait_until(lambda: answers_ok(f"{url}/-/ready"), 30, interval_s=0.5):
                 raise AssertionError(f"prometheus not ready: {(tmp / 'prometheus.log').read_text()[-2000:]}")
             for t in threads:
                 t.start()

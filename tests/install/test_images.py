@@ -23,7 +23,9 @@ from pathlib import Path
 import httpx
 import pytest
 from PIL import Image
+from polling import wait_until
 
+from triptych.http_ready import answers_ok
 from triptych.local import free_port
 from triptych.operator.crd import render_crd
 
@@ -181,16 +183,9 @@ def containers(images: dict[str, dict], tmp_path: Path) -> Iterator[tuple[str, l
                "router", "--model", "/models/tiny", "--workers", f"http://127.0.0.1:{worker_port}",
                "--host", "127.0.0.1", "--port", str(router_port))
         url = f"http://127.0.0.1:{router_port}"
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                logs = {n: docker("logs", n, check=False) for n in names}
-                raise AssertionError({n: (o.stdout + o.stderr)[-2000:] for n, o in logs.items()})
-            time.sleep(1)
+        if not wait_until(lambda: answers_ok(f"{url}/ready"), max(0.0, deadline - time.monotonic()), interval_s=1):
+            logs = {n: docker("logs", n, check=False) for n in names}
+            raise AssertionError({n: (o.stdout + o.stderr)[-2000:] for n, o in logs.items()})
         yield url, names
     finally:
         for name in names:

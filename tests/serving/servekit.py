@@ -8,13 +8,21 @@ import asyncio
 import base64
 import json
 import math
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from hf_reference import hf_generate, make_test_image, png_bytes
 from PIL import Image
 
@@ -116,15 +124,6 @@ async def chat(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dic
 async def run_all(url: str, bodies: list[dict[str, Any]], timeout_s: float = 180.0) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         return await asyncio.gather(*(chat(client, url, b) for b in bodies))
-
-
-def stats(dep: LocalDeployment) -> dict[str, dict[str, Any]]:
-    out = {}
-    for w in dep.workers:
-        r = httpx.get(f"{w.url}/admin/stats", headers=dep.admin_headers, timeout=10)
-        assert r.status_code == 200, (w.name, r.status_code, r.text[:500])
-        out[w.name] = r.json()
-    return out
 
 
 def _text_config(model_dir: Path) -> dict[str, Any]:
@@ -240,3 +239,71 @@ def prompt_tokens(model_dir: Path, cases: list[Case]) -> int:
 def worker(dep: LocalDeployment, role: str, index: int = 0) -> Process:
     """The `index`-th worker process started with `role` (names are worker-<role>-<i>)."""
     return next(w for w in dep.workers if w.name == f"worker-{role}-{index}")
+
+
+# --- `triptych serve` run as a user runs it -----------------------------------------------
+
+
+@contextmanager
+def serve_cli(port: int, topology: str, *flags: str, env: dict[str, str] | None = None,
+              stderr: Path | None = None) -> Iterator[subprocess.Popen[str]]:
+    """`python -m triptych.cli serve --model tiny` on `port`, stdout piped (it prints its URLs
+    there), stderr to a file or nowhere; killed on the way out if the test left it running."""
+    err = stderr.open("w") if stderr is not None else subprocess.DEVNULL
+    proc = subprocess.Popen([sys.executable, "-m", "triptych.cli", "serve", "--model", "tiny", "--topology",
+                             topology, "--port", str(port), *flags],
+                            stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+        if stderr is not None:
+            err.close()
+
+
+def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout_s: float = 240.0,
+                  stderr: Path | None = None) -> str:
+    """The first line of `proc`'s stdout that contains `needle`; fails when the process
+    closes its stdout first (with the tail of `stderr`, if given) or after timeout_s. A helper
+    thread reads (readline blocks): a process that goes quiet cannot hold the test past
+    its deadline. The thread stops at the line, so later reads see what follows it."""
+    found: queue.Queue[str | None] = queue.Queue(maxsize=1)
+
+    def read() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            if needle in line:
+                found.put(line)
+                return
+        found.put(None)  # end of output: the process exited (or closed stdout)
+
+    threading.Thread(target=read, daemon=True, name=f"wait-for-{needle}").start()
+    try:
+        line = found.get(timeout=timeout_s)
+    except queue.Empty:
+        raise AssertionError(f"no line with {needle!r} on stdout within {timeout_s} s") from None
+    if line is None:
+        try:
+            code = proc.wait(timeout=10)  # stdout closes just before the exit
+        except subprocess.TimeoutExpired:
+            code = None
+        tail = stderr.read_text()[-2000:] if stderr is not None else ""
+        raise AssertionError(f"stdout closed (exit code {code}) before a line with {needle!r}: {tail}")
+    return line
+
+
+def children(pid: int) -> list[int]:
+    """Pids of the direct children of `pid`."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True,
+                         timeout=30).stdout
+    return [int(p) for p in out.split()]
+
+
+def stop_cleanly(proc: subprocess.Popen[str], started: Collection[int] = ()) -> None:
+    """SIGTERM `serve`: it exits 0, and every process it `started` is gone."""
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    for pid in started:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

@@ -78,7 +78,7 @@ def test_public_api_fuzz_no_5xx_then_exact(tmp_path: Path) -> None:
         case = servekit.make_cases(4)[1]  # one image
         got = asyncio.run(servekit.run_all(dep.router_url, [case.openai_body(model.name)]))[0]
         assert got["token_ids"] == servekit.expected_ids(model, case)
-        for name, s in servekit.stats(dep).items():
+        for name, s in servekit.stats_of(dep).items():
             assert s["leases_outstanding"] == 0, name
             for cache in ("kv_cache", "mm_cache"):
                 if cache in s:

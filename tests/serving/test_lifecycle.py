@@ -18,32 +18,6 @@ from servekit import tiny_dir
 pytestmark = pytest.mark.slow
 
 
-def _wait_idle(dep, timeout_s: float = 30.0) -> dict:
-    """Poll until no instance holds KV/MM blocks for requests or leases; returns the stats."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = servekit.stats(dep)
-        busy = {n: s for n, s in stats.items()
-                if s.get("kv_cache", {}).get("used", 0) or s.get("mm_cache", {}).get("referenced", 0)
-                or s["leases_outstanding"] or s["inflight"]}
-        if not busy or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
-
-
-def _assert_no_leaks(stats: dict) -> None:
-    for name, s in stats.items():
-        if "kv_cache" in s:
-            # used: blocks a request or lease references. Prefix-cached blocks nobody
-            # references stay cached but are free (evictable): every block can be allocated.
-            kv = s["kv_cache"]
-            assert kv["used"] == 0 and kv["free"] == kv["num_blocks"], (name, kv)
-        if "mm_cache" in s:
-            assert s["mm_cache"]["referenced"] == 0, (name, s["mm_cache"])
-        assert s["leases_outstanding"] == 0 and s["inflight"] == 0, (name, s)
-        assert s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_parked"] == 0, (name, s)
-
-
 @pytest.fixture(scope="module")
 def epd3(tmp_path_factory: pytest.TempPathFactory):
     model = tiny_dir("qwen2-vl")
@@ -68,7 +42,7 @@ def test_64_concurrent_streams_complete_and_free_everything(epd3) -> None:
         c.stream = True
     results = asyncio.run(servekit.run_all(dep.router_url, [c.openai_body(model.name) for c in cases]))
     assert all(r["status"] == 200 and not r["error"] and r["finish_reason"] for r in results), results
-    _assert_no_leaks(_wait_idle(dep))
+    servekit.assert_no_leaks(servekit.wait_idle(dep))
 
 
 async def _disconnect_after(url: str, body: dict, tokens: int) -> int:
@@ -93,7 +67,7 @@ def test_client_disconnect_mid_stream_frees_blocks(epd3) -> None:
         return await asyncio.gather(*(_disconnect_after(dep.router_url, b, 3) for b in bodies))
 
     assert all(n == 3 for n in asyncio.run(go()))
-    _assert_no_leaks(_wait_idle(dep))
+    servekit.assert_no_leaks(servekit.wait_idle(dep))
 
 
 def _expired_kv(metrics: str) -> float:
@@ -176,7 +150,7 @@ def test_decode_killed_mid_stream_gives_error_event_then_recovers(epd3) -> None:
         time.sleep(0.5)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length"
-    _assert_no_leaks(_wait_idle(dep))
+    servekit.assert_no_leaks(servekit.wait_idle(dep))
 
 
 def test_role_switch_unassigned_to_p_then_d(tmp_path: Path) -> None:

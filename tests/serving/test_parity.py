@@ -32,7 +32,7 @@ def test_greedy_parity_over_http(family: str, topology: str, tmp_path: Path) -> 
     cases, expected = _expected(family)
     with servekit.start(model, topology, tmp_path) as dep:
         results = asyncio.run(servekit.run_all(dep.router_url, [c.openai_body(model.name) for c in cases]))
-        worker_stats = servekit.stats(dep)
+        worker_stats = servekit.stats_of(dep)
         worker_metrics = {w.name: httpx.get(f"{w.url}/metrics", timeout=10).text for w in dep.workers}
     for case, want, got in zip(cases, expected, results, strict=True):
         assert got["status"] == 200 and not got.get("error"), (case.index, got)

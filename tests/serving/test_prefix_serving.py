@@ -30,7 +30,7 @@ def _body(model: Path, question: str, max_tokens: int = 6) -> dict:
 
 
 def _counters(dep) -> dict[str, dict[str, int]]:
-    return {n: s["counters"] for n, s in servekit.stats(dep).items()}
+    return {n: s["counters"] for n, s in servekit.stats_of(dep).items()}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_decode_pulls_only_the_blocks_its_prefix_cache_lacks(ep_d) -> None:
 
     model, dep = ep_d
     d = servekit.worker(dep, "D")
-    block_size = servekit.stats(dep)[d.name]["kv_cache"]["block_size"]
+    block_size = servekit.stats_of(dep)[d.name]["kv_cache"]["block_size"]
     kv_block = servekit.kv_block_nbytes(model, block_size)
     proc = MultimodalProcessor.from_pretrained(model)
     questions = ["what is rain", "what is rain", "name a bird"]  # a repeat, then the same system prompt

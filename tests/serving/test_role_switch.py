@@ -16,7 +16,6 @@ import httpx
 import pytest
 import servekit
 from servekit import tiny_dir
-from test_lifecycle import _assert_no_leaks, _wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +67,7 @@ def _assert_exact(model: Path, cases: list[servekit.Case], results: list[dict],
 
 
 def _migrated_in(dep) -> int:
-    return sum(s["counters"].get("migrated_in", 0) for s in servekit.stats(dep).values() if "counters" in s)
+    return sum(s["counters"].get("migrated_in", 0) for s in servekit.stats_of(dep).values() if "counters" in s)
 
 
 def _when_decoding(url: str, then, min_running: int = 1):
@@ -139,7 +138,7 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     print("P->D report:", report)
     assert report["role"] == "D"
     _assert_exact(model, cases, results)
-    _assert_no_leaks(_wait_idle(dep))
+    servekit.assert_no_leaks(servekit.wait_idle(dep))
 
 
 async def _choices(client: httpx.AsyncClient, url: str, body: dict) -> dict[int, list[int]]:
@@ -185,7 +184,7 @@ def test_n_choices_migrate_one_by_one_exactly(epd4) -> None:
     assert _migrated_in(dep) - taken_over == report["migrated"]
     time.sleep(1.5)
     _switch(dep, report["instance"], "D")
-    _assert_no_leaks(_wait_idle(dep))
+    servekit.assert_no_leaks(servekit.wait_idle(dep))
 
 
 def test_sigterm_hands_long_decodes_to_the_other_decode_instance(epd4) -> None:
@@ -261,4 +260,4 @@ def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
             _assert_exact(model, cases, results, expected)
             time.sleep(1.5)
         print("switch reports:", reports)
-        _assert_no_leaks(_wait_idle(dep))
+        servekit.assert_no_leaks(servekit.wait_idle(dep))

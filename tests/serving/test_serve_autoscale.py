@@ -5,38 +5,25 @@ reads the real router's admin view and /metrics, serves /plan and /metrics, and 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+import servekit
 
 from triptych.local import free_port
 
 pytestmark = pytest.mark.slow
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
 def test_serve_autoscale_runs_the_planner_on_the_real_router() -> None:
     port, planner_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "triptych.cli", "serve", "--model", "tiny", "--topology",
-                             "1E1P1D", "--port", str(port), "--autoscale", "--planner-port", str(planner_port),
-                             "--autoscale-standby", "1", "--autoscale-args", "--dry-run --interval 0.5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=dict(os.environ))
-    try:
+    with servekit.serve_cli(port, "1E1P1D", "--autoscale", "--planner-port", str(planner_port),
+                            "--autoscale-standby", "1", "--autoscale-args", "--dry-run --interval 0.5") as proc:
         deadline = time.monotonic() + 240
-        line = ""
-        while "planner:" not in line and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "serve exited before starting the planner"
+        line = servekit.wait_for_line(proc, "planner:")
         assert f"http://127.0.0.1:{planner_port}/plan" in line
-        children = _children(proc.pid)
+        children = servekit.children(proc.pid)
         assert len(children) == 6  # three instances, one standby, the router, the planner
         plan: dict = {}
         while not plan.get("decisions") and time.monotonic() < deadline:
@@ -50,14 +37,7 @@ def test_serve_autoscale_runs_the_planner_on_the_real_router() -> None:
         assert plan["snapshot"]["queues"]["encode"]["instances"] == 1
         metrics = httpx.get(f"http://127.0.0.1:{planner_port}/metrics", timeout=5).text
         assert 'triptych_planner_stage_instances{deployment="local",stage="decode"} 1.0' in metrics
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-        for pid in children:
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        servekit.stop_cleanly(proc, children)
 
 
 def test_a_parked_v_standby_scales_v_through_the_local_connector() -> None:
@@ -69,18 +49,11 @@ def test_a_parked_v_standby_scales_v_through_the_local_connector() -> None:
 
     port, planner_port = free_port(), free_port()
     token = "test-admin-token-v-standby"
-    proc = subprocess.Popen([sys.executable, "-m", "triptych.cli", "serve", "--model", "tiny", "--topology",
-                             "1V1E1P1D", "--port", str(port), "--autoscale", "--planner-port", str(planner_port),
-                             "--autoscale-video-standby", "1", "--autoscale-args", "--dry-run --interval 0.5"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "TRIPTYCH_ADMIN_TOKEN": token})
     router = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        line = ""
-        while "planner:" not in line and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "serve exited before starting the planner"
+    with servekit.serve_cli(port, "1V1E1P1D", "--autoscale", "--planner-port", str(planner_port),
+                            "--autoscale-video-standby", "1", "--autoscale-args", "--dry-run --interval 0.5",
+                            env={**os.environ, "TRIPTYCH_ADMIN_TOKEN": token}) as proc:
+        servekit.wait_for_line(proc, "planner:")
         conn = LocalConnector(router, token)
         try:
             roles = {i["instance_id"]: (i["role"], i.get("video")) for i in conn.instances()}
@@ -95,8 +68,4 @@ def test_a_parked_v_standby_scales_v_through_the_local_connector() -> None:
             assert httpx.get(f"{router}/health", timeout=5).json()["stages"]["video_decode"] == 1
         finally:
             conn.close()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        servekit.stop_cleanly(proc)

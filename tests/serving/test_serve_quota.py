@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+import servekit
 
 from triptych.cpu_quota import Layout, QuotaUnavailable, detect
 from triptych.local import free_port
@@ -31,24 +32,14 @@ def _real_layout() -> Layout | None:
 needs_cgroups = pytest.mark.skipif(_real_layout() is None, reason="needs root and a writable cpu controller")
 
 
-def _children(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
+@contextmanager
 def _serve(topology: str, cpus: float, env: dict[str, str],
-           stderr: Path) -> tuple[subprocess.Popen[str], int]:
+           stderr: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "triptych.cli", "serve", "--model", "tiny", "--topology",
-                             topology, "--port", str(port), "--instance-cpus", str(cpus)],
-                            stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True, env=env)
-    deadline = time.monotonic() + 240
-    line = ""
-    while "serving" not in line and time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, f"serve exited early: {stderr.read_text()[-2000:]}"
-    assert f"http://127.0.0.1:{port}/v1" in line
-    return proc, port
+    with servekit.serve_cli(port, topology, "--instance-cpus", str(cpus), env=env, stderr=stderr) as proc:
+        line = servekit.wait_for_line(proc, "serving", stderr=stderr)
+        assert f"http://127.0.0.1:{port}/v1" in line
+        yield proc, port
 
 
 def _one_completion(port: int) -> None:
@@ -76,7 +67,7 @@ def _check_groups(layout: Layout, proc: subprocess.Popen[str], instances: int, q
     for g in groups:
         assert (g / quota_file).read_text().split()[0] == str(quota_us)
         inside += [int(p) for p in (g / "cgroup.procs").read_text().split()]
-    children = _children(proc.pid)
+    children = servekit.children(proc.pid)
     workers = [pid for pid in children if pid in inside]
     assert len(workers) == instances == len(children) - 1  # every instance inside; the router is not
     assert all(_thread_env(pid) == "OMP_NUM_THREADS=1" for pid in workers)
@@ -87,37 +78,24 @@ def _check_groups(layout: Layout, proc: subprocess.Popen[str], instances: int, q
 def test_serve_puts_each_instance_in_its_group_and_removes_them_on_sigterm(tmp_path: Path) -> None:
     layout = _real_layout()
     assert layout is not None
-    proc, port = _serve("1E1P1D", 0.5, dict(os.environ), tmp_path / "stderr")
-    try:
+    with _serve("1E1P1D", 0.5, dict(os.environ), tmp_path / "stderr") as (proc, port):
         groups = _check_groups(layout, proc, 3, 50_000)
         _one_completion(port)
-        children = _children(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        servekit.stop_cleanly(proc, servekit.children(proc.pid))
         assert not any(g.exists() for g in groups)
-        for pid in children:
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 @needs_cgroups
 def test_groups_are_removed_when_an_instance_dies(tmp_path: Path) -> None:
     layout = _real_layout()
     assert layout is not None
-    proc, _ = _serve("EPD", 0.75, dict(os.environ), tmp_path / "stderr")
-    try:
+    with _serve("EPD", 0.75, dict(os.environ), tmp_path / "stderr") as (proc, _):
         (group,) = _check_groups(layout, proc, 1, 75_000)
         (worker,) = [int(p) for p in (group / "cgroup.procs").read_text().split()]
         os.kill(worker, signal.SIGKILL)
         assert proc.wait(timeout=60) == 1
         assert "exited with code -9; shutting down" in (tmp_path / "stderr").read_text()
         assert not group.exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_no_quota_possible_says_so_and_serves(tmp_path: Path) -> None:
@@ -125,15 +103,10 @@ def test_no_quota_possible_says_so_and_serves(tmp_path: Path) -> None:
     root = tmp_path / "cgroup"
     root.mkdir()
     (root / "cgroup.controllers").write_text("memory pids\n")
-    proc, port = _serve("EPD", 0.5, {**os.environ, "TRIPTYCH_CGROUP_ROOT": str(root)}, tmp_path / "stderr")
-    try:
+    with _serve("EPD", 0.5, {**os.environ, "TRIPTYCH_CGROUP_ROOT": str(root)}, tmp_path / "stderr") as (proc, port):
         _one_completion(port)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        servekit.stop_cleanly(proc)
         err = (tmp_path / "stderr").read_text()
         assert "--instance-cpus 0.5: cannot set a CPU quota (no cpu controller under" in err
         assert "running WITHOUT quotas" in err
         assert sorted(p.name for p in root.iterdir()) == ["cgroup.controllers"]
-    finally:
-        if proc.poll() is None:
-            proc.kill()

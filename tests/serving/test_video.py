@@ -7,53 +7,34 @@ encode instance decodes the video itself (no V instance) and counts it; bad vide
 from __future__ import annotations
 
 import asyncio
-import base64
-import functools
 from pathlib import Path
 
 import pytest
 import servekit
 from servekit import tiny_dir
-from videokit import VideoCase, expected_ids
+from videokit import SERVING_CASES, bad_video_body, serving_expected
 
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl"]
 TOPOLOGIES = ["EPD", "1E1P1D"]
-CASES = [
-    VideoCase(seed=3, fps=7.0, with_image=False, stream=True),
-    VideoCase(seed=4, fps=7.0, with_image=True, stream=False),
-    VideoCase(seed=5, fps=None, with_image=False, stream=False),  # the default 2 fps
-    VideoCase(seed=6, fps=None, with_image=True, stream=True),
-]
-
-
-@functools.cache
-def _expected(family: str) -> list[list[int]]:
-    return [expected_ids(tiny_dir(family), c) for c in CASES]
-
-
-def _bad(model: str, data: bytes) -> dict:
-    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
-    return {"model": model, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}],
-            "max_tokens": 4}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_video_greedy_parity_over_http(family: str, topology: str, tmp_path: Path) -> None:
     model = tiny_dir(family)
-    expected = _expected(family)
-    good = CASES[0].video
+    expected = serving_expected(family)
+    good = SERVING_CASES[0].video
     bad = [good[: len(good) // 2], b"not a video at all " * 40, b"\x89PNG\r\n\x1a\n" + b"\0" * 64]
     with servekit.start(model, topology, tmp_path) as dep:
-        results = asyncio.run(servekit.run_all(dep.router_url, [c.openai_body(model.name) for c in CASES]))
-        refused = asyncio.run(servekit.run_all(dep.router_url, [_bad(model.name, b) for b in bad]))
-        again = asyncio.run(servekit.run_all(dep.router_url, [CASES[1].openai_body(model.name)]))
+        results = asyncio.run(servekit.run_all(dep.router_url, [c.openai_body(model.name) for c in SERVING_CASES]))
+        refused = asyncio.run(servekit.run_all(dep.router_url, [bad_video_body(model.name, b) for b in bad]))
+        again = asyncio.run(servekit.run_all(dep.router_url, [SERVING_CASES[1].openai_body(model.name)]))
         encoder = servekit.worker(dep, "EPD" if topology == "EPD" else "E")
         decoded = servekit.metric_sum(encoder.url, "triptych_worker_videos_decoded_total", where="encoder")
         worker_stats = servekit.wait_idle(dep)
-    for case, want, got in zip(CASES, expected, results, strict=True):
+    for case, want, got in zip(SERVING_CASES, expected, results, strict=True):
         assert got["status"] == 200 and not got.get("error"), (case, got)
         assert len(want) > 0 and got["token_ids"] == want, case
     for got in refused:
@@ -63,7 +44,7 @@ def test_video_greedy_parity_over_http(family: str, topology: str, tmp_path: Pat
     assert again[0]["status"] == 200 and again[0]["token_ids"] == expected[1]
     # Each distinct video decoded once on the encoder: the repeat goes (by cache affinity)
     # to the encoder that holds its embedding, which uses it and does not decode again.
-    assert decoded == len(CASES)
+    assert decoded == len(SERVING_CASES)
     if topology != "EPD":
         pulled = sum(sum(s["transfer_bytes"].values()) for s in worker_stats.values() if s["role"] == "P")
         assert pulled > 0  # video (and image) embeddings migrated E -> P

@@ -8,31 +8,18 @@ the encode instance decodes nothing itself."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import functools
 
 import httpx
 import pytest
 import servekit
 from servekit import tiny_dir
-from videokit import VideoCase, expected_ids, undecodable_clip
+from videokit import SERVING_CASES, bad_video_body, serving_expected, undecodable_clip
 
 from triptych.local import LocalDeployment
 
 pytestmark = pytest.mark.slow
 
-CASES = [
-    VideoCase(seed=3, fps=7.0, with_image=False, stream=True),
-    VideoCase(seed=4, fps=7.0, with_image=True, stream=False),
-    VideoCase(seed=5, fps=None, with_image=False, stream=False),  # the default 2 fps
-    VideoCase(seed=6, fps=None, with_image=True, stream=True),
-]
 DEPLOYMENTS = [("qwen2-vl", "1V1E1P1D"), ("qwen2-vl", "2V1E1P1D"), ("qwen2.5-vl", "2V1E1P1D")]
-
-
-@functools.cache
-def _expected(family: str) -> list[list[int]]:
-    return [expected_ids(tiny_dir(family), c) for c in CASES]
 
 
 @pytest.fixture(scope="module", params=DEPLOYMENTS, ids=["-".join(d) for d in DEPLOYMENTS])
@@ -46,12 +33,6 @@ def _v_workers(dep: LocalDeployment) -> list:
     return [w for w in dep.workers if w.name.startswith("worker-V-")]
 
 
-def _bad(model: str, data: bytes) -> dict:
-    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(data).decode()}}
-    return {"model": model, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "?"}]}],
-            "max_tokens": 4}
-
-
 def test_router_health_knows_v_instances(deployment) -> None:
     _family, topology, dep = deployment
     body = httpx.get(f"{dep.router_url}/health", timeout=10).json()
@@ -63,13 +44,13 @@ def test_router_health_knows_v_instances(deployment) -> None:
 def test_video_parity_through_v_instances(deployment) -> None:
     family, _topology, dep = deployment
     model = tiny_dir(family)
-    results = asyncio.run(servekit.run_all(dep.router_url, [c.openai_body(model.name) for c in CASES]))
-    for case, want, got in zip(CASES, _expected(family), results, strict=True):
+    results = asyncio.run(servekit.run_all(dep.router_url, [c.openai_body(model.name) for c in SERVING_CASES]))
+    for case, want, got in zip(SERVING_CASES, serving_expected(family), results, strict=True):
         assert got["status"] == 200 and not got.get("error"), (case, got)
         assert len(want) > 0 and got["token_ids"] == want, case
     encoder = servekit.worker(dep, "E")
     # Every video came from the V instances as pulled patches; E decoded none itself.
-    assert servekit.metric_sum(encoder.url, "triptych_worker_videos_decoded_total", where="v") >= len(CASES)
+    assert servekit.metric_sum(encoder.url, "triptych_worker_videos_decoded_total", where="v") >= len(SERVING_CASES)
     assert servekit.metric_sum(encoder.url, "triptych_worker_videos_decoded_total", where="encoder") == 0
     stats = servekit.wait_idle(dep)
     assert stats["worker-E-0"]["transfer_bytes"].get("nixl-ucx", 0) > 0  # patches pulled over NIXL
@@ -81,9 +62,9 @@ def test_video_parity_through_v_instances(deployment) -> None:
 def test_bad_videos_are_400_and_v_keeps_serving(deployment) -> None:
     family, _topology, dep = deployment
     model = tiny_dir(family)
-    good = CASES[0].video
+    good = SERVING_CASES[0].video
     refused_at_router = [good[: len(good) // 2], b"not a video at all " * 40]
-    bodies = [_bad(model.name, b) for b in [*refused_at_router, undecodable_clip()]]
+    bodies = [bad_video_body(model.name, b) for b in [*refused_at_router, undecodable_clip()]]
     before = {w.name: servekit.stats_of(dep)[w.name]["refused"] for w in _v_workers(dep)}
     refused = asyncio.run(servekit.run_all(dep.router_url, bodies))
     for got in refused:
@@ -92,8 +73,8 @@ def test_bad_videos_are_400_and_v_keeps_serving(deployment) -> None:
     assert "does not decode" in refused[-1]["error"]["message"]  # found by a V instance's decoder
     after = servekit.stats_of(dep)
     assert sum(after[n]["refused"] - before[n] for n in before) >= 1
-    again = asyncio.run(servekit.run_all(dep.router_url, [CASES[1].openai_body(model.name)]))
-    assert again[0]["status"] == 200 and again[0]["token_ids"] == _expected(family)[1]
+    again = asyncio.run(servekit.run_all(dep.router_url, [SERVING_CASES[1].openai_body(model.name)]))
+    assert again[0]["status"] == 200 and again[0]["token_ids"] == serving_expected(family)[1]
     servekit.assert_no_leaks(servekit.wait_idle(dep))
 
 

@@ -6,6 +6,7 @@ placeholder run that does not match the decoded grid is a typed 400 at admission
 from __future__ import annotations
 
 import pytest
+from polling import wait_until
 from videokit import VideoCase, expected_ids
 
 from triptych.processor import MultimodalProcessor
@@ -69,26 +70,20 @@ def test_bad_video_bytes_and_wrong_runs_are_refused() -> None:
 def test_encoder_decodes_with_a_decoder_service(tmp_path) -> None:
     """GOP sets split between the encoder's own decoder threads and a decoder service (the
     V instance's work): same tokens as transformers, and the service got the video."""
-    import socket
     import threading
-    import time
 
     import httpx
     import uvicorn
 
+    from triptych.local import free_port
     from triptych.worker.engine.video_inputs import VideoInputs
     from triptych.worker.video.service import create_decoder_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_decoder_app(), host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    assert wait_until(lambda: server.started, 20, interval_s=0.05), "decoder service did not start"
     try:
         case = VideoCase(seed=3, fps=24.0, with_image=False, stream=False)  # 48 frames: several GOP sets
         engine = Engine(EngineConfig(model=str(tiny_model_path("qwen2-vl")), max_num_seqs=1))

@@ -5,10 +5,11 @@ live; and a pull that cannot finish before the lease ends is refused before it r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch
+from polling import wait_until
 
 from triptych.worker.errors import http_status
 from triptych.worker.migration import HandoffExpiredError, MigrationService
@@ -19,15 +20,6 @@ from triptych.worker.transfer.tcp import TcpBackend, bind_and_advertise
 
 KV = RegionSpec((12, 2, 4, 8), "float32", seed=3)
 NO_NIXL = "NO_SUCH_PLUGIN"  # forces the TCP fallback on both sides
-
-
-def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 @pytest.fixture(scope="module")

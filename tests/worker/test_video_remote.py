@@ -6,7 +6,6 @@ a wrong hash or an unknown video is refused."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +15,10 @@ import httpx
 import numpy as np
 import pytest
 import uvicorn
+from polling import wait_until
 
+from triptych.http_ready import answers_ok
+from triptych.local import free_port
 from triptych.worker.video import (
     CollaborativeDecoder,
     CorruptVideoError,
@@ -36,17 +38,11 @@ def clip() -> bytes:
     return make_clip(61, codec="libx264", gop=8, b_frames=2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def services() -> Iterator[list[str]]:
     servers, urls = [], []
     for cache_bytes in (1 << 30, 1):  # the second keeps one video only
-        port = _free_port()
+        port = free_port()
         server = uvicorn.Server(uvicorn.Config(create_decoder_app(cache_bytes=cache_bytes), host="127.0.0.1",
                                                port=port, log_level="warning"))
         threading.Thread(target=server.run, daemon=True).start()
@@ -54,14 +50,8 @@ def services() -> Iterator[list[str]]:
         urls.append(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + 20
     for url in urls:
-        while True:
-            try:
-                if httpx.get(f"{url}/live", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "decoder service did not start"
-            time.sleep(0.05)
+        assert wait_until(lambda url=url: answers_ok(f"{url}/live", timeout_s=1),
+                          max(0.0, deadline - time.monotonic()), interval_s=0.05), "decoder service did not start"
     yield urls
     for server in servers:
         server.should_exit = True

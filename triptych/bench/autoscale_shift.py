@@ -33,6 +33,7 @@ from triptych.bench.loadgen import run_rate
 from triptych.bench.report import fmt, progress
 from triptych.bench.stats import SLO, RequestResult, percentile, slo_attainment
 from triptych.bench.trace import calibrate, trace_bodies
+from triptych.http_ready import answers_ok
 from triptych.operator.planner.workload import TraceRequest, WorkloadSpec, fixed, generate
 
 SHIFT_DEFAULTS = {
@@ -171,11 +172,8 @@ def run_once(args: argparse.Namespace, trace: list[TraceRequest], n_before: int,
 def _wait_http(url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if answers_ok(url):
+            return
         time.sleep(0.5)
     raise BenchError(f"{url} did not answer within {timeout_s:.0f} s")
 

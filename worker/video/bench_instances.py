@@ -29,15 +29,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from triptych.http_ready import answers_ok
+from triptych.local import free_port
+
 TIMEOUT_S = 120.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -47,7 +42,7 @@ def v_instances(model: Path, n: int, threads: int) -> Iterator[list[str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRIPTYCH_THREADS": "1"}
     try:
         for i in range(n):
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", "V", "--model", str(model),
                    "--port", str(port), "--instance-id", f"V-bench-{i}", "--decode-threads", str(threads),
                    "--insecure-no-auth"]
@@ -59,11 +54,8 @@ def v_instances(model: Path, n: int, threads: int) -> Iterator[list[str]]:
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(f"V instance {url} exited with {proc.returncode}")
-                try:
-                    if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
+                if answers_ok(f"{url}/ready", timeout_s=1):
+                    break
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"V instance {url} not ready in {TIMEOUT_S:g}s")
                 time.sleep(0.2)

@@ -1,0 +1,173 @@
+"""Options that several `triptych` subcommands take, each defined once here. What the
+subcommands differ in (a default, a help line) is a parameter; the name, type, choices and
+metavar are not, so `--instance-cpus` parses the same wherever it appears. Also the CPU
+share type and the lazy entry point every subcommand uses."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+
+MODEL_HELP = "checkpoint directory, or 'tiny'"
+GPUS = ("H100", "H200", "A100", "L40S")  # the roofline profiles a --gpu stand-in knows
+LOOPBACK = "127.0.0.1"
+
+
+def cpus(text: str) -> float:
+    """A CPU share: a positive number of CPUs (0.5 = half a core)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of CPUs, got {text}")
+    return value
+
+
+def lazy(target: str) -> Callable[[argparse.Namespace], int | None]:
+    """`module:function`, imported only when the subcommand runs (so `--help` stays instant
+    and `triptych operator` never imports torch)."""
+    module_name, func_name = target.split(":")
+
+    def run(args: argparse.Namespace) -> int | None:
+        return getattr(importlib.import_module(module_name), func_name)(args)
+
+    return run
+
+
+# --- what to run --------------------------------------------------------------------------
+
+
+def add_model(p: argparse.ArgumentParser, default: str | None = "tiny", help: str | None = MODEL_HELP,
+              required: bool = False) -> None:
+    p.add_argument("--model", default=default, required=required, help=help)
+
+
+def add_topology(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--topology", default=default)
+
+
+def add_dtype(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32")
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu")
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None)
+
+
+def add_compile_decode(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--compile-decode", action="store_true", help=help)
+
+
+def add_max_model_len(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    p.add_argument("--max-model-len", type=int, default=None, help=help)
+
+
+def add_transfer_require(p: argparse.ArgumentParser, default: str = "any") -> None:
+    p.add_argument("--transfer-require", choices=("any", "nixl"), default=default)
+
+
+def add_instance_cpus(p: argparse.ArgumentParser, help: str, default: float | None = None,
+                      required: bool = False) -> None:
+    p.add_argument("--instance-cpus", type=cpus, default=default, required=required, metavar="X", help=help)
+
+
+PRIORITY_HELP = "weight of each capped instance per CPU of quota (see bench neighbours)"
+
+
+def add_priority(p: argparse.ArgumentParser, help: str = PRIORITY_HELP) -> None:
+    """The weight (cgroup cpu.weight / shares) of a capped instance: see bench neighbours."""
+    p.add_argument("--priority", type=cpus, default=1.0, metavar="K", help=help)
+
+
+def add_log_dir(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    p.add_argument("--log-dir", default=None, help=help)
+
+
+def add_gpu(p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup, help: str) -> None:
+    p.add_argument("--gpu", default=None, choices=GPUS, help=help)
+
+
+# --- listening and credentials ------------------------------------------------------------
+
+
+def add_listen(p: argparse.ArgumentParser, port: int, port_help: str | None = None) -> None:
+    p.add_argument("--host", default=LOOPBACK)
+    p.add_argument("--port", type=int, default=port, help=port_help)
+
+
+def add_admin_token_file(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--admin-token-file", default=None, help=help)
+
+
+def add_internal_token_file(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--internal-token-file", default=None, help=help)
+
+
+def add_allow_no_api_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-no-api-key", action="store_true",
+                   help="serve a non-loopback --host without API keys (refused by default)")
+
+
+def add_client_api_key(p: argparse.ArgumentParser) -> None:
+    """The key a load generator sends (one; the router's own --api-key is a list)."""
+    p.add_argument("--api-key", default=None)
+
+
+# --- SLOs ---------------------------------------------------------------------------------
+
+
+def add_slos(p: argparse.ArgumentParser, ttft: float | None, tbt: float | None, help: str | None = None) -> None:
+    """--ttft-slo / --tbt-slo (seconds): what the servers and the benchmarks judge against."""
+    p.add_argument("--ttft-slo", type=float, default=ttft, help=help)
+    p.add_argument("--tbt-slo", type=float, default=tbt, help=help)
+
+
+def add_planner_slos(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    """--slo-ttft / --slo-tbt (seconds): the targets the planner plans for."""
+    p.add_argument("--slo-ttft", type=float, default=2.0, help=help)
+    p.add_argument("--slo-tbt", type=float, default=0.2, help=help)
+
+
+# --- load and reports ---------------------------------------------------------------------
+
+
+def add_rates(p: argparse.ArgumentParser, default: list[float]) -> None:
+    p.add_argument("--rates", type=float, nargs="+", default=default)
+
+
+def add_image_size(p: argparse.ArgumentParser, default: list[int], metavar: tuple[str, str] | None = None) -> None:
+    p.add_argument("--image-size", type=int, nargs=2, default=default, metavar=metavar)
+
+
+def add_request_shape(p: argparse.ArgumentParser, num_requests: int, image_size: list[int],
+                      image_metavar: tuple[str, str] | None = None) -> None:
+    """How many requests and the images each carries."""
+    p.add_argument("--num-requests", type=int, default=num_requests)
+    p.add_argument("--images-per-request", type=int, default=1)
+    add_image_size(p, image_size, image_metavar)
+
+
+def add_output_len(p: argparse.ArgumentParser, default: int, help: str | None = None) -> None:
+    p.add_argument("--output-len", type=int, default=default, help=help)
+
+
+def add_request_timeout(p: argparse.ArgumentParser, default: float = 120.0) -> None:
+    p.add_argument("--request-timeout", type=float, default=default)
+
+
+def add_seed(p: argparse.ArgumentParser, default: int | None = 0) -> None:
+    p.add_argument("--seed", type=int, default=default)
+
+
+def add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true")
+
+
+def add_out_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out-json", default=None, help="also write the JSON report here")
