@@ -13,7 +13,6 @@ is aborted on every instance it touched, under every id it used there.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -254,8 +253,8 @@ class Orchestrator:
         to the decode)."""
         mm_items = [MMItemSpec.of(m) for m in req.mm_items]  # images and videos
         parts = await self._decode_videos(req, plan, mm_items, footprint)
-        images = {m.content_hash: base64.b64encode(data).decode() for m, data in zip(req.mm_items, req.images,
-                                                                                     strict=True)
+        # Raw bytes: they go as the stage frame's binary tail (stage_protocol.encode_stage_request).
+        images = {m.content_hash: data for m, data in zip(req.mm_items, req.images, strict=True)
                   if m.content_hash not in parts}  # a video decoded on V instances goes as parts, not bytes
         results = await asyncio.gather(*(self._encode_only(req, run, images, _with_parts(mm_items, run.images, parts),
                                                            footprint)
@@ -415,7 +414,7 @@ class Orchestrator:
             pause = min(pause * 2, 0.5)
             refused.clear()
 
-    async def _encode_only(self, req: GenerationRequest, run: EncodeRun, images: dict[str, str],
+    async def _encode_only(self, req: GenerationRequest, run: EncodeRun, images: dict[str, bytes],
                            mm_items: list[MMItemSpec], footprint: Footprint) -> list[MMSource]:
         """One encode-only run; the handles of the embeddings it made, for the prefill to pull."""
         items = [m for m in mm_items if m.content_hash in run.images]

@@ -25,12 +25,14 @@ from triptych.router.registry import Instance
 from triptych.router.routing_metrics import RoutingMetrics
 from triptych.stage_protocol import (
     ROUTER_KEEPALIVE_EXPIRY_S,
+    STAGE_FRAME_TYPE,
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
     PrefilledEvent,
     StageEvent,
     StageRequest,
+    encode_stage_request,
     parse_stage_event,
 )
 from triptych.topology import Stage
@@ -75,7 +77,7 @@ class StageClient:
         inst.inflight += 1
         label = "".join(s.value[0].upper() for s in sreq.stages)
         outcome = "error"
-        body = sreq.model_dump_json()
+        body = encode_stage_request(sreq)
         waits = waits or WaitClock()
         waiting = False
         first = True
@@ -85,17 +87,17 @@ class StageClient:
             waits.begin()
             waiting = True
             async with self.client.stream("POST", f"{inst.url}/internal/run", content=body,
-                                          headers={"content-type": "application/json"},
+                                          headers={"content-type": STAGE_FRAME_TYPE},
                                           timeout=timeout, extensions={"trace": trace}) as resp:
                 self.metrics.hop_phase_seconds.labels("headers").observe(time.monotonic() - started)
                 if resp.status_code >= 400:
-                    body = (await resp.aread()).decode(errors="replace")
+                    text = (await resp.aread()).decode(errors="replace")
                     if resp.status_code in (401, 403):  # our token, not the client's request
                         raise StageFailure(inst, f"{inst.url} refused the router's internal token "
                                                  f"({resp.status_code})", status=502)
                     if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
-                        raise BackendError(resp.status_code, _error_message(body), code=_error_code(body))
-                    raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {body[:200]}",
+                        raise BackendError(resp.status_code, _error_message(text), code=_error_code(text))
+                    raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {text[:200]}",
                                        status=503 if resp.status_code in (429, 503) else 502)
                 lines = resp.aiter_lines()
                 try:

@@ -59,6 +59,18 @@ async def test_each_topology_runs_its_plan_and_carries_the_handles(topology, exp
         assert cluster.aborts() == set()
 
 
+async def test_image_bytes_reach_the_encoder_raw_in_the_stage_frame():
+    # The fake reads the frame as a worker does (decode_stage_request): the exact bytes the
+    # client sent arrive, only on the run that encodes them, and none goes as JSON.
+    async with FakeCluster("1E1P1D") as cluster:
+        req = request(images=("a", "b"), max_tokens=2)
+        await collect(cluster.orchestrator(), req)
+        (encode,) = cluster["e0"].runs
+        assert encode.request.images == {"a": b"bytes of a", "b": b"bytes of b"}
+        assert cluster["p0"].runs[0].request.images == {} and cluster["d0"].runs[0].request.images == {}
+        assert "images" not in encode.request.model_dump_json()
+
+
 async def test_text_request_skips_encode_and_decode_continues_from_the_kv_handle():
     async with FakeCluster("1E1P1D") as cluster:
         req = request(max_tokens=3)

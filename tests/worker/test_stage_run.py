@@ -80,7 +80,7 @@ async def test_refusals_before_any_pull() -> None:
     with pytest.raises(NotServingError, match="does not run stage"):
         await prepare(instance(InstanceType.E, migration), stage_request(**SOURCES))
     with pytest.raises(BadPayloadError) as err:
-        await prepare(instance(InstanceType.PD, migration), stage_request(images={"h": "not base64!"}))
+        await prepare(instance(InstanceType.PD, migration), stage_request(images={"h": b"not the bytes hashed to h"}))
     assert http_status(err.value) == 400
     draining = instance(InstanceType.PD, migration)
     draining.draining = True
