@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from triptych.topology import ROLE_CHOICES
 
 FAMILIES = ("qwen2-vl", "qwen2.5-vl", "llava")
+DTYPE_CHOICES = ("float32", "bfloat16")  # what `serve` passes each worker (its engine's EngineConfig.dtype)
 
 
 def _cpus(text: str) -> float:
@@ -116,6 +117,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--topologies", default=None, help="e.g. EPD,1E1P1D,1EP1D: start each locally in turn")
     s.add_argument("--model", default="tiny", help="with --topologies: checkpoint directory, or 'tiny'")
     s.add_argument("--transfer-require", choices=("any", "nixl"), default="nixl")
+    s.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
+                   help="with --topologies: every instance's dtype (serve --dtype)")
     s.add_argument("--log-dir", default=None, help="with --topologies: process logs go here")
     s.add_argument("--idle-seconds", type=float, default=3.0,
                    help="with --topologies: measure idle CPU this long before the load (0: skip)")
@@ -392,6 +395,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
+                   help="every instance's weights, activations and KV cache (bfloat16 pays on CPUs with "
+                        "native bf16; float32 is exact against transformers)")
     p.add_argument("--api-key-file", default=None, help="the router's API keys, one per line (or TRIPTYCH_API_KEY)")
     p.add_argument("--allow-no-api-key", action="store_true",
                    help="serve a non-loopback --host without API keys (refused by default)")

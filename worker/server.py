@@ -88,7 +88,8 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     async def health() -> JSONResponse:
         body = {"status": inst.status, "role": inst.role, "instance_id": settings.instance_id,
                 "load": inst.load(), "draining": inst.draining, "transport": inst.transport,
-                "target_role": inst.target_role, "block_size": settings.block_size}
+                "target_role": inst.target_role, "block_size": settings.block_size,
+                "dtype": settings.dtype}
         return JSONResponse(body, status_code=200 if inst.status in ("ok", "unassigned") else 503)
 
     @app.get("/ready")
