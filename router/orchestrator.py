@@ -256,9 +256,11 @@ class Orchestrator:
         # Raw bytes: they go as the stage frame's binary tail (stage_protocol.encode_stage_request).
         images = {m.content_hash: data for m, data in zip(req.mm_items, req.images, strict=True)
                   if m.content_hash not in parts}  # a video decoded on V instances goes as parts, not bytes
-        results = await asyncio.gather(*(self._encode_only(req, run, images, _with_parts(mm_items, run.images, parts),
-                                                           footprint)
-                                         for run in plan.encodes))
+        runs = [self._encode_only(req, run, images, _with_parts(mm_items, run.images, parts), footprint)
+                for run in plan.encodes]
+        # One run is awaited here, not wrapped in a task: a task costs the request two trips
+        # through the event loop (start, then wake its waiter) before and after the hop.
+        results = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
         mm_sources = [source for group in results for source in group]
         kv_source: KVSource | None = None
         for hop in plan.hops:
@@ -426,8 +428,9 @@ class Orchestrator:
         async with aclosing(self.stages.run(run.instance, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
             async for event in events:
                 if isinstance(event, EncodedEvent):
-                    return [MMSource(content_hash=e.content_hash, num_tokens=e.num_tokens, handle=e.handle)
-                            for e in event.items]
+                    # Fields the event's own validation checked already: not validated again.
+                    return [MMSource.model_construct(content_hash=e.content_hash, num_tokens=e.num_tokens,
+                                                     handle=e.handle) for e in event.items]
         raise StageFailure(run.instance, f"{run.instance.url} ended the encode stage without a hand-over")
 
 
