@@ -13,7 +13,6 @@ is aborted on every instance it touched, under every id it used there.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -256,12 +255,14 @@ class Orchestrator:
         mm_items = [MMItemSpec.of(m) for m in req.mm_items]  # images and videos
         parts = await self._decode_videos(req, plan, mm_items, footprint)
         # By unit: a video taken as frames (LLaVA) goes once, under its own key. A video
-        # decoded on V instances goes as parts, not bytes.
-        raw = {m.unit: data for m, data in zip(req.mm_items, req.images, strict=True) if m.unit not in parts}
-        images = {h: base64.b64encode(data).decode() for h, data in raw.items()}
-        results = await asyncio.gather(*(self._encode_only(req, run, images, _with_parts(mm_items, run.images, parts),
-                                                           footprint)
-                                         for run in plan.encodes))
+        # decoded on V instances goes as parts, not bytes. Raw bytes: they go as the stage
+        # frame's binary tail (stage_protocol.encode_stage_request).
+        images = {m.unit: data for m, data in zip(req.mm_items, req.images, strict=True) if m.unit not in parts}
+        runs = [self._encode_only(req, run, images, _with_parts(mm_items, run.images, parts), footprint)
+                for run in plan.encodes]
+        # One run is awaited here, not wrapped in a task: a task costs the request two trips
+        # through the event loop (start, then wake its waiter) before and after the hop.
+        results = [await runs[0]] if len(runs) == 1 else await asyncio.gather(*runs)
         mm_sources = [source for group in results for source in group]
         kv_source: KVSource | None = None
         for hop in plan.hops:
@@ -417,7 +418,7 @@ class Orchestrator:
             pause = min(pause * 2, 0.5)
             refused.clear()
 
-    async def _encode_only(self, req: GenerationRequest, run: EncodeRun, images: dict[str, str],
+    async def _encode_only(self, req: GenerationRequest, run: EncodeRun, images: dict[str, bytes],
                            mm_items: list[MMItemSpec], footprint: Footprint) -> list[MMSource]:
         """One encode-only run; the handles of the embeddings it made, for the prefill to pull."""
         items = [m for m in mm_items if m.unit in run.images]
@@ -429,8 +430,9 @@ class Orchestrator:
         async with aclosing(self.stages.run(run.instance, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
             async for event in events:
                 if isinstance(event, EncodedEvent):
-                    return [MMSource(content_hash=e.content_hash, num_tokens=e.num_tokens, handle=e.handle)
-                            for e in event.items]
+                    # Fields the event's own validation checked already: not validated again.
+                    return [MMSource.model_construct(content_hash=e.content_hash, num_tokens=e.num_tokens,
+                                                     handle=e.handle) for e in event.items]
         raise StageFailure(run.instance, f"{run.instance.url} ended the encode stage without a hand-over")
 
 

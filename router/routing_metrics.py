@@ -12,9 +12,11 @@ connections to workers (a persistent connection is reused, so it should stay fla
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from triptych.router.registry import Registry
@@ -29,6 +31,7 @@ class RoutingMetrics:
                                  "Instance choices per stage: chosen by policy, kept local, by cache "
                                  "affinity, retried elsewhere, or refused (no instance, overloaded)",
                                  ["stage", "policy", "outcome"], registry=registry)
+        self._children: dict[tuple[str, ...], Any] = {}  # labelled children by (metric, *labels): _child
         self.hop_seconds = Histogram("triptych_frontend_hop_seconds",
                                      "Wall time of one stage call (a hop) seen from the router",
                                      ["stages", "outcome"], registry=registry, buckets=_HOP_BUCKETS)
@@ -47,7 +50,23 @@ class RoutingMetrics:
 
     def decided(self, decisions: Iterable[Decision]) -> None:
         for d in decisions:
-            self.decisions.labels(d.stage.value, d.policy, d.outcome).inc()
+            _child(self._children, self.decisions, d.stage.value, d.policy, d.outcome).inc()
+
+    def hop_phase(self, phase: str, seconds: float) -> None:
+        _child(self._children, self.hop_phase_seconds, phase).observe(seconds)
+
+    def hop(self, stages: str, outcome: str, seconds: float) -> None:
+        _child(self._children, self.hop_seconds, stages, outcome).observe(seconds)
+
+
+def _child(cache: dict[tuple[str, ...], Any], metric: MetricWrapperBase, *labels: str) -> Any:
+    """`metric.labels(*labels)`, looked up once per label set: `labels()` takes a lock and
+    builds keys, several times per request on the router's hot path."""
+    key = (metric._name, *labels)
+    child = cache.get(key)
+    if child is None:
+        child = cache[key] = metric.labels(*labels)
+    return child
 
 
 class _InstanceGauges(Collector):

@@ -14,7 +14,8 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Coroutine, Iterable
+from typing import Any
 
 import httpx
 from pydantic import ValidationError
@@ -25,12 +26,14 @@ from triptych.router.registry import Instance
 from triptych.router.routing_metrics import RoutingMetrics
 from triptych.stage_protocol import (
     ROUTER_KEEPALIVE_EXPIRY_S,
+    STAGE_FRAME_TYPE,
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
     PrefilledEvent,
     StageEvent,
     StageRequest,
+    encode_stage_request,
     parse_stage_event,
 )
 from triptych.topology import Stage
@@ -64,7 +67,7 @@ class StageClient:
     def __init__(self, client: httpx.AsyncClient, metrics: RoutingMetrics) -> None:
         self.client = client
         self.metrics = metrics
-        self._aborts: set[asyncio.Task[None]] = set()  # abort_later's, held until done
+        self._tasks: set[asyncio.Task[None]] = set()  # background work (aborts, drains), held until done
 
     async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float,
                   waits: WaitClock | None = None) -> AsyncIterator[StageEvent]:
@@ -75,47 +78,54 @@ class StageClient:
         inst.inflight += 1
         label = "".join(s.value[0].upper() for s in sreq.stages)
         outcome = "error"
-        body = sreq.model_dump_json()
+        body = encode_stage_request(sreq)
         waits = waits or WaitClock()
         waiting = False
         first = True
         trace = _HopTrace(self.metrics)
         started = time.monotonic()
+        resp: httpx.Response | None = None
+        handed_off = False  # the rest of the answer is read (and the response closed) in the background
         try:
             waits.begin()
             waiting = True
-            async with self.client.stream("POST", f"{inst.url}/internal/run", content=body,
-                                          headers={"content-type": "application/json"},
-                                          timeout=timeout, extensions={"trace": trace}) as resp:
-                self.metrics.hop_phase_seconds.labels("headers").observe(time.monotonic() - started)
-                if resp.status_code >= 400:
-                    body = (await resp.aread()).decode(errors="replace")
-                    if resp.status_code in (401, 403):  # our token, not the client's request
-                        raise StageFailure(inst, f"{inst.url} refused the router's internal token "
-                                                 f"({resp.status_code})", status=502)
-                    if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
-                        raise BackendError(resp.status_code, _error_message(body), code=_error_code(body))
-                    raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {body[:200]}",
-                                       status=503 if resp.status_code in (429, 503) else 502)
-                lines = resp.aiter_lines()
-                try:
-                    async for line in lines:
-                        if line.strip():
-                            waits.end()
-                            waiting = False
-                            if first:
-                                self.metrics.hop_phase_seconds.labels("first_event").observe(time.monotonic() - started)
-                                first = False
-                            event = _checked(inst, line)
-                            # The caller may stop reading at a terminal event: the hop succeeded.
-                            outcome = "ok" if _terminal(event) else outcome
-                            yield event
-                            waits.begin()
-                            waiting = True
-                except GeneratorExit:
-                    if outcome == "ok":  # read the end of the answer: the connection goes back to the pool
-                        await _drain(lines)
-                    raise
+            request = self.client.build_request("POST", f"{inst.url}/internal/run", content=body,
+                                                headers={"content-type": STAGE_FRAME_TYPE},
+                                                timeout=timeout, extensions={"trace": trace})
+            resp = await self.client.send(request, stream=True)
+            self.metrics.hop_phase("headers", time.monotonic() - started)
+            if resp.status_code >= 400:
+                text = (await resp.aread()).decode(errors="replace")
+                if resp.status_code in (401, 403):  # our token, not the client's request
+                    raise StageFailure(inst, f"{inst.url} refused the router's internal token "
+                                             f"({resp.status_code})", status=502)
+                if 400 <= resp.status_code < 500 and resp.status_code not in (408, 429):
+                    raise BackendError(resp.status_code, _error_message(text), code=_error_code(text))
+                raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {text[:200]}",
+                                   status=503 if resp.status_code in (429, 503) else 502)
+            lines = resp.aiter_lines()
+            try:
+                async for line in lines:
+                    if line.strip():
+                        waits.end()
+                        waiting = False
+                        if first:
+                            self.metrics.hop_phase("first_event", time.monotonic() - started)
+                            first = False
+                        event = _checked(inst, line)
+                        # The caller may stop reading at a terminal event: the hop succeeded.
+                        outcome = "ok" if _terminal(event) else outcome
+                        yield event
+                        waits.begin()
+                        waiting = True
+            except GeneratorExit:
+                if outcome == "ok":
+                    # Read the end of the answer (the worker ends it right after the terminal
+                    # event) so that the connection goes back to the pool — in the background:
+                    # the request's next hop need not wait for the chunked stream's last bytes.
+                    self._background(_drain_and_close(resp, lines))
+                    handed_off = True
+                raise
             outcome = "ok"
         except StageFailure as failure:
             outcome = "error"
@@ -135,16 +145,22 @@ class StageClient:
             raise StageFailure(inst, f"{inst.url} failed: {type(exc).__name__}: {exc}",
                                stage=sreq.stages[0]) from exc
         finally:
+            if resp is not None and not handed_off:
+                await resp.aclose()
             if waiting:
                 waits.end()
             inst.inflight -= 1
-            self.metrics.hop_seconds.labels(label, outcome).observe(time.monotonic() - started)
+            self.metrics.hop(label, outcome, time.monotonic() - started)
 
     def abort_later(self, urls: Iterable[str], request_ids: Iterable[str], timeout_s: float) -> None:
         """`abort` in the background (a caller that goes on need not wait for a dead instance)."""
-        task = asyncio.create_task(self.abort(list(urls), list(request_ids), timeout_s))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
+        self._background(self.abort(list(urls), list(request_ids), timeout_s))
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` as a task held until done (the loop keeps only weak references)."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def abort(self, urls: Iterable[str], request_ids: Iterable[str], timeout_s: float) -> None:
         """Best effort, concurrently: POST /internal/abort/{id} for every (instance, id) pair.
@@ -172,18 +188,21 @@ class _HopTrace:
             self.connect_started = time.monotonic()
         elif name == "connection.connect_tcp.complete":
             self.metrics.connections_opened.inc()
-            self.metrics.hop_phase_seconds.labels("connect").observe(time.monotonic() - self.connect_started)
+            self.metrics.hop_phase("connect", time.monotonic() - self.connect_started)
 
 
-async def _drain(lines: AsyncIterator[str], timeout_s: float = 1.0) -> None:
+async def _drain_and_close(resp: httpx.Response, lines: AsyncIterator[str], timeout_s: float = 1.0) -> None:
     """Read what is left of a finished hop's answer (the worker ends it right after its
-    terminal event), so that httpx keeps the connection instead of closing it; bounded."""
+    terminal event), so that httpx keeps the connection instead of closing it; bounded.
+    Then close the response (a connection not read to its end is dropped, not reused)."""
     try:
         async with asyncio.timeout(timeout_s):
             async for _ in lines:
                 pass
     except (TimeoutError, httpx.HTTPError):
         pass
+    finally:
+        await resp.aclose()
 
 
 def _checked(inst: Instance, line: str) -> StageEvent:

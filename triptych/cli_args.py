@@ -52,6 +52,13 @@ def add_dtype(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
 
 
+SERVING_DTYPES = ("float32", "bfloat16")  # what `serve` passes each worker (its engine's EngineConfig.dtype)
+
+
+def add_serving_dtype(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--dtype", choices=SERVING_DTYPES, default="float32", help=help)
+
+
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 

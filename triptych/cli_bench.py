@@ -20,6 +20,7 @@ from triptych.cli_args import (
     add_request_shape,
     add_request_timeout,
     add_seed,
+    add_serving_dtype,
     add_slos,
     add_threads,
     add_topology,
@@ -133,6 +134,7 @@ def _add_serve(bsub: argparse._SubParsersAction) -> None:
     _add_topologies(s, None, "e.g. EPD,1E1P1D,1EP1D: start each locally in turn")
     add_model(s, help="with --topologies: checkpoint directory, or 'tiny'")
     add_transfer_require(s, "nixl")
+    add_serving_dtype(s, "with --topologies: every instance's dtype (serve --dtype)")
     add_log_dir(s, "with --topologies: process logs go here")
     s.add_argument("--idle-seconds", type=float, default=3.0,
                    help="with --topologies: measure idle CPU this long before the load (0: skip)")

@@ -20,6 +20,7 @@ from triptych.cli_args import (
     add_max_model_len,
     add_model,
     add_planner_slos,
+    add_serving_dtype,
     add_slos,
     add_threads,
     add_topology,
@@ -129,6 +130,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     add_topology(p, "EPD")
     add_listen(p, 8000)
     add_transfer_require(p)
+    add_serving_dtype(p, "every instance's weights, activations and KV cache (bfloat16 pays on CPUs with "
+                         "native bf16; float32 is exact against transformers)")
     p.add_argument("--api-key-file", default=None, help="the router's API keys, one per line (or TRIPTYCH_API_KEY)")
     add_allow_no_api_key(p)
     add_instance_cpus(p, "cap every instance at X CPUs (its own cgroup, ceil(X) torch threads); "

@@ -90,6 +90,7 @@ class LocalDeployment:
     # Beside the topology, e.g. ["unassigned"] (engine standbys) or ["V"]: a video decoder
     # started parked (a standby the planner's V scaling un-parks; local_connector.py).
     extra_roles: list[str] = field(default_factory=list)
+    dtype: str = "float32"  # every instance's weights, activations and KV cache (worker --dtype)
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 180.0
@@ -190,7 +191,7 @@ class LocalDeployment:
         port = port or free_port(self.host)
         args = ["worker", "--model", str(self.model), "--role", str(kind), "--host", self.host,
                 "--port", str(port), "--instance-id", f"{kind}-{index}",
-                "--transfer-require", self.transfer_require, *self.worker_args]
+                "--transfer-require", self.transfer_require, "--dtype", self.dtype, *self.worker_args]
         proc = self._spawn(f"worker-{kind}-{index}", args, port, capped=True)
         if str(kind) == UNASSIGNED:
             proc.ready_path = "/live"
@@ -323,6 +324,7 @@ def cli_main(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         transfer_require=args.transfer_require,
+        dtype=getattr(args, "dtype", "float32"),
         router_args=_router_passthrough(args) + (["--admin-token-file", str(token_file)] if token_file else []),
         extra_roles=(["unassigned"] * args.autoscale_standby
                      + [InstanceType.V.value] * getattr(args, "autoscale_video_standby", 0)) if autoscale else [],

@@ -4,6 +4,11 @@ One endpoint runs a contiguous run of stages of one request on one instance
 (`POST /internal/run`), answering with a stream of newline-delimited JSON events. The
 router chains runs across instances: E -> P -> D, EP -> D, E -> PD, EPD, ...
 
+The request goes as a binary frame (`encode_stage_request`, content type STAGE_FRAME_TYPE):
+the StageRequest's JSON, then the raw bytes of the images and videos to encode there —
+bulk data is never base64 inside JSON (a third larger, and encoded, copied and decoded
+on both sides of every hop).
+
 Hand-overs follow HydraInfer §4.3 (pull-based migration): the instance that ran a stage
 answers with a *handle* (agent metadata + block ids + lease id) instead of the data; the
 next instance allocates, READs the blocks over NIXL and notifies the source, which then
@@ -14,10 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from triptych.sampling_params import SamplingParams
 from triptych.topology import Stage
@@ -199,9 +206,10 @@ class StageRequest(BaseModel):
     stages: list[Stage] = Field(min_length=1)
     prompt_token_ids: list[int] = Field(min_length=1)
     mm_items: list[MMItemSpec] = []
-    # base64 of the original image or video bytes, keyed by content hash: the items to
-    # encode here (each item's `kind` says which).
-    images: dict[str, str] = {}
+    # The original image or video bytes, keyed by content hash: the items to encode here
+    # (each item's `kind` says which). Never in the JSON: they travel as the frame's binary
+    # tail (encode_stage_request), and a JSON `images` key is refused.
+    images: dict[str, bytes] = Field(default={}, exclude=True)
     mm_sources: list[MMSource] = []
     kv_source: KVSource | None = None
     sampling: SamplingParams = SamplingParams()
@@ -210,6 +218,71 @@ class StageRequest(BaseModel):
     # the tokens sampled before it (worker/engine/guided.py).
     grammar: str | None = None
     timeout_s: float = Field(default=300.0, gt=0)
+
+
+    @field_validator("images", mode="before")
+    @classmethod
+    def _bytes_only(cls, value: Any) -> Any:
+        # JSON has no bytes: a JSON `images` (the old base64 form) would be read as the
+        # base64 text's bytes; refuse it by name instead.
+        if isinstance(value, Mapping) and not all(isinstance(v, bytes | bytearray | memoryview)
+                                                  for v in value.values()):
+            raise ValueError("images travel as the stage frame's binary tail, not in the JSON")
+        return value
+
+
+# The stage request frame: a 4-byte big-endian length and the StageRequest's JSON, then
+# for each image or video to encode, a 2-byte key length, an 8-byte data length, the key
+# (its content hash) and the raw bytes. Without images the frame is the header alone.
+STAGE_FRAME_TYPE = "application/x-triptych-stage"
+_FRAME_HEAD = struct.Struct(">I")
+_BLOB_HEAD = struct.Struct(">HQ")
+
+
+class StageFrameError(ValueError):
+    """A body that is no well-formed stage request frame."""
+
+
+def encode_stage_request(sreq: StageRequest) -> bytes:
+    """`sreq` as its frame: the JSON header, then `sreq.images` as raw bytes."""
+    head = sreq.model_dump_json().encode()
+    parts = [_FRAME_HEAD.pack(len(head)), head]
+    for key, data in sreq.images.items():
+        name = key.encode()
+        parts += [_BLOB_HEAD.pack(len(name), len(data)), name, data]
+    return b"".join(parts)
+
+
+def decode_stage_request(body: bytes) -> StageRequest:
+    """A frame -> its StageRequest, `images` filled from the binary tail. StageFrameError
+    when the framing is wrong; pydantic's ValidationError when the JSON is."""
+    view = memoryview(body)
+    if len(view) < _FRAME_HEAD.size:
+        raise StageFrameError(f"stage frame of {len(view)} bytes has no header")
+    (n,) = _FRAME_HEAD.unpack_from(view)
+    pos = _FRAME_HEAD.size + n
+    if pos > len(view):
+        raise StageFrameError(f"stage frame header says {n} bytes of JSON; {len(view) - _FRAME_HEAD.size} follow")
+    sreq = StageRequest.model_validate_json(bytes(view[_FRAME_HEAD.size:pos]))
+    images: dict[str, bytes] = {}
+    while pos < len(view):
+        if pos + _BLOB_HEAD.size > len(view):
+            raise StageFrameError(f"stage frame ends inside a blob header at byte {pos}")
+        name_len, data_len = _BLOB_HEAD.unpack_from(view, pos)
+        start = pos + _BLOB_HEAD.size + name_len
+        end = start + data_len
+        if end > len(view):
+            raise StageFrameError(f"stage frame blob at byte {pos} says {data_len} bytes; fewer follow")
+        try:
+            key = str(view[pos + _BLOB_HEAD.size:start], "utf-8")
+        except UnicodeDecodeError as exc:
+            raise StageFrameError(f"stage frame blob key at byte {pos} is not UTF-8") from exc
+        if key in images:
+            raise StageFrameError(f"stage frame holds {key[:16]} twice")
+        images[key] = bytes(view[start:end])
+        pos = end
+    sreq.images = images
+    return sreq
 
 
 class EncodedItem(BaseModel):

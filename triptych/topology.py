@@ -36,7 +36,8 @@ class InstanceType(StrEnum):
 
     @property
     def stages(self) -> frozenset[Stage]:
-        return frozenset(_STAGE_LETTER[c] for c in self.value if c in _STAGE_LETTER)
+        # Looked up, not rebuilt: the router asks this several times per request it plans.
+        return _TYPE_STAGES[self]
 
     @property
     def decodes_video(self) -> bool:
@@ -53,6 +54,9 @@ class InstanceType(StrEnum):
     def needs_language(self) -> bool:
         return bool(self.stages & {Stage.PREFILL, Stage.DECODE})
 
+
+_TYPE_STAGES: dict[str, frozenset[Stage]] = {
+    t: frozenset(_STAGE_LETTER[c] for c in t.value if c in _STAGE_LETTER) for t in InstanceType}
 
 # The instance types that run E/P/D stages (a role switch moves between these; V is its own pool).
 STAGE_TYPES: tuple[InstanceType, ...] = tuple(t for t in InstanceType if t.stages)

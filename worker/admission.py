@@ -1,4 +1,4 @@
-"""A stage run's image work, done off the event loop: base64 decode, the content-hash
+"""A stage run's image work, done off the event loop: the content-hash
 check, the full image decode and the vision preprocessing (resize, normalise).
 
 The router reads only image headers; the one full decode happens here, on the encode
@@ -16,8 +16,6 @@ embedding for every later request (400).
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,19 +53,15 @@ class DecodePool:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def decode_payload(images: Mapping[str, str], items: Sequence[Any] = ()) -> dict[str, bytes]:
-    """The stage request's base64 images (and videos) as bytes, each checked against its
-    content hash: sha256 of the bytes for an image (as the router computes it:
+def decode_payload(images: Mapping[str, bytes], items: Sequence[Any] = ()) -> dict[str, bytes]:
+    """The stage request's images (and videos), each checked against its content hash:
+    sha256 of the bytes for an image (as the router computes it:
     triptych.processor.ImageInput), `video_content_key` for a video item."""
     videos = {it.content_hash: it.video for it in items if getattr(it, "kind", "image") == "video"}
     # A video taken as frames (LLaVA) is sent once under its key, with its frames' options.
     videos.update({it.frame.video: it.video for it in items if getattr(it, "frame", None) is not None})
     out: dict[str, bytes] = {}
-    for h, data in images.items():
-        try:
-            raw = base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise BadPayloadError(f"image payload is not base64: {exc}") from exc
+    for h, raw in images.items():
         options = videos.get(h)
         actual = video_content_key(raw, options) if options is not None else hashlib.sha256(raw).hexdigest()
         if actual != h:

@@ -27,7 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
-from triptych.stage_protocol import WORKER_KEEPALIVE_TIMEOUT_S, RoleSwitch, StageRequest
+from triptych.stage_protocol import (
+    STAGE_FRAME_TYPE,
+    WORKER_KEEPALIVE_TIMEOUT_S,
+    RoleSwitch,
+    StageFrameError,
+    StageRequest,
+    decode_stage_request,
+)
 from triptych.timings import TIMINGS, TimingsPage
 from triptych.topology import UNASSIGNED, InstanceType
 from triptych.worker import choices
@@ -81,7 +88,8 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     async def health() -> JSONResponse:
         body = {"status": inst.status, "role": inst.role, "instance_id": settings.instance_id,
                 "load": inst.load(), "draining": inst.draining, "transport": inst.transport,
-                "target_role": inst.target_role, "block_size": settings.block_size}
+                "target_role": inst.target_role, "block_size": settings.block_size,
+                "dtype": settings.dtype}
         return JSONResponse(body, status_code=200 if inst.status in ("ok", "unassigned") else 503)
 
     @app.get("/ready")
@@ -122,16 +130,17 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
 
     @app.post("/internal/run")
     async def run(http: HttpRequest) -> Response:
-        # A large body (several big images: tens of MB of JSON) is parsed off the event loop,
-        # which would otherwise stall (and /health with it) for as long as parsing takes.
+        # A large body (several big images: tens of MB) is parsed off the event loop, which
+        # would otherwise stall (and /health with it) for as long as copying it out takes.
         body = await http.body()
+        framed = http.headers.get("content-type", "").partition(";")[0].strip() == STAGE_FRAME_TYPE
+        parse = decode_stage_request if framed else StageRequest.model_validate_json  # JSON: no images
         try:
-            if len(body) < _PARSE_INLINE_BYTES:
-                sreq = StageRequest.model_validate_json(body)
-            else:
-                sreq = await asyncio.to_thread(StageRequest.model_validate_json, body)
+            sreq = parse(body) if len(body) < _PARSE_INLINE_BYTES else await asyncio.to_thread(parse, body)
         except ValidationError as exc:
             return _error(422, f"invalid stage request: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
+        except StageFrameError as exc:
+            return _error(422, f"invalid stage request frame: {exc}")
         try:
             req, reserved = await prepare(inst, sreq)
         except _REFUSALS as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel
@@ -66,13 +67,16 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
         vins = await inst.decode_pool.run(vision_inputs, engine.vision, engine.config.max_image_pixels,
                                           sreq.mm_items, images)
     reserved = await migration.pull_embeddings(sreq.mm_sources) if sreq.mm_sources else []
-    prefilled = None
+    prefilled = pull = None
     try:
         if sreq.kv_source is not None:
             src = sreq.kv_source
-            # The prompt lets the pull skip blocks this instance's prefix cache already holds.
-            block_ids = await migration.pull_kv(src, sreq.prompt_token_ids, sreq.mm_items)
-            prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token,
+            # The READ runs in a transfer thread while the request is admitted here (its
+            # grammar compiled, its positions computed): the engine takes it the moment its
+            # blocks land. The prompt lets the pull skip blocks the prefix cache holds.
+            pull = asyncio.ensure_future(migration.pull_kv(src, sreq.prompt_token_ids, sreq.mm_items))
+            await asyncio.sleep(0)  # the pull reserves its blocks and hands the READ to its thread
+            prefilled = PrefilledKV(block_ids=[], num_tokens=src.num_tokens, first_token=src.first_token,
                                     generated=list(src.generated))
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
                       images=images, stages=frozenset(sreq.stages), prefilled=prefilled,
@@ -80,12 +84,34 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
         req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
         await _decode_videos(inst, sreq, req)
         await build_guide(engine, req)
+        if pull is not None:
+            engine.admission.prepare(req)
+            assert prefilled is not None
+            prefilled.block_ids = await asyncio.shield(pull)  # a cancelled run lets the READ end first
     except BaseException:
         migration.release_embeddings(reserved)
-        if prefilled is not None:
-            migration.discard_kv(prefilled.block_ids)
+        if pull is not None:
+            await _discard_pull(pull, migration)
         raise
     return req, reserved
+
+
+async def _discard_pull(pull: asyncio.Future[list[int]], migration: MigrationService) -> None:
+    """Free the blocks a KV pull reserved for a run that failed, once its READ has ended: a
+    READ still writing into blocks must not see them handed to another request. A pull
+    that failed freed its own blocks."""
+    try:
+        block_ids = await asyncio.shield(pull)
+    except BaseException:
+        if not pull.done():  # cancelled again while waiting: free them when it ends
+            pull.add_done_callback(partial(_discard_done, migration))
+        return
+    migration.discard_kv(block_ids)
+
+
+def _discard_done(migration: MigrationService, pull: asyncio.Future[list[int]]) -> None:
+    if not pull.cancelled() and pull.exception() is None:
+        migration.discard_kv(pull.result())
 
 
 async def _decode_videos(inst: InstanceRuntime, sreq: StageRequest, req: Request) -> None:

@@ -45,6 +45,7 @@ from triptych.router.routing import Chooser
 from triptych.router.stage_client import worker_client
 from triptych.sampling_params import SamplingParams
 from triptych.stage_protocol import (
+    STAGE_FRAME_TYPE,
     EncodedEvent,
     EncodedItem,
     ErrorEvent,
@@ -54,6 +55,7 @@ from triptych.stage_protocol import (
     StageEvent,
     StageRequest,
     TokensEvent,
+    decode_stage_request,
 )
 from triptych.topology import InstanceType, Stage, parse_topology
 from triptych.worker.auth import AuthMiddleware, WorkerAuth
@@ -242,7 +244,8 @@ class FakeWorker:
 
         @app.post("/internal/run")
         async def run(http: Request) -> Response:
-            sreq = StageRequest.model_validate_json(await http.body())
+            assert http.headers.get("content-type") == STAGE_FRAME_TYPE  # what a worker reads
+            sreq = decode_stage_request(await http.body())
             script = self.scripts.popleft() if self.scripts else None
             self.runs.append(Run(sreq, scripted=script is not None))
             if sreq.request_id in self.running | self.parked:

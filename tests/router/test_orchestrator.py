@@ -59,6 +59,45 @@ async def test_each_topology_runs_its_plan_and_carries_the_handles(topology, exp
         assert cluster.aborts() == set()
 
 
+async def test_image_bytes_reach_the_encoder_raw_in_the_stage_frame():
+    # The fake reads the frame as a worker does (decode_stage_request): the exact bytes the
+    # client sent arrive, only on the run that encodes them, and none goes as JSON.
+    async with FakeCluster("1E1P1D") as cluster:
+        req = request(images=("a", "b"), max_tokens=2)
+        await collect(cluster.orchestrator(), req)
+        (encode,) = cluster["e0"].runs
+        assert encode.request.images == {"a": b"bytes of a", "b": b"bytes of b"}
+        assert cluster["p0"].runs[0].request.images == {} and cluster["d0"].runs[0].request.images == {}
+        assert "images" not in encode.request.model_dump_json()
+
+
+async def test_next_hop_does_not_wait_for_a_finished_hops_stream_to_end():
+    # E sends its hand-over, then holds its answer open until P has received the prefill:
+    # the router must start P without reading E's answer to its end (that end is read in
+    # the background), and the E connection, read to its end then, is reused.
+    async with FakeCluster("1E1P1D") as cluster:
+        held = asyncio.Event()
+        seen_held: list[bool] = []
+
+        def prefill(sreq, normal):
+            seen_held.append(held.is_set())
+            held.set()  # now E may end its answer
+            return normal
+
+        cluster["e0"].script(lambda sreq, normal: [*normal, held])
+        cluster["p0"].script(prefill)
+        orch = cluster.orchestrator()
+        req = request(images=("a",), max_tokens=3)
+        assert await collect(orch, req) == (expected_tokens(req), "length")
+        assert seen_held == [False]  # P started while E's answer was still open
+        # A second request reuses the three connections: E's went back to the pool.
+        req2 = request("req2", images=("b",), max_tokens=3)
+        assert await collect(orch, req2) == (expected_tokens(req2), "length")
+        opened = sum(s.value for m in cluster.metrics.collect() for s in m.samples
+                     if s.name == "triptych_frontend_worker_connections_opened_total")
+        assert opened == 0  # the cluster's first health probes opened one to each; none since
+
+
 async def test_text_request_skips_encode_and_decode_continues_from_the_kv_handle():
     async with FakeCluster("1E1P1D") as cluster:
         req = request(max_tokens=3)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from PIL import Image
 
 from triptych.local import LocalDeployment
 from triptych.processor import MultimodalProcessor
+from triptych.stage_protocol import STAGE_FRAME_TYPE, MMItemSpec, StageRequest, encode_stage_request
 from triptych.tiny_model import tiny_model_path
 from triptych.topology import InstanceType
 
@@ -46,14 +48,19 @@ def encoder(tmp_path_factory: pytest.TempPathFactory):
         dep.stop()
 
 
-def encode_request(model: Path, images: list[bytes], request_id: str) -> dict:
+def encode_request(model: Path, images: list[bytes], request_id: str) -> StageRequest:
     proc = MultimodalProcessor.from_pretrained(model)
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": "describe"}]
     prompt = proc.process([{"role": "user", "content": content}], images)
-    return {"request_id": request_id, "stages": ["encode"], "prompt_token_ids": prompt.token_ids,
-            "mm_items": [vars(it) for it in prompt.mm_items],
-            "images": {it.content_hash: base64.b64encode(img).decode() for it, img in zip(prompt.mm_items, images,
-                                                                                         strict=True)}}
+    return StageRequest(request_id=request_id, stages=["encode"], prompt_token_ids=prompt.token_ids,
+                        mm_items=[MMItemSpec.of(it) for it in prompt.mm_items],
+                        images={it.content_hash: img for it, img in zip(prompt.mm_items, images, strict=True)})
+
+
+def post_frame(url: str, sreq: StageRequest, headers: dict[str, str]) -> httpx.Response:
+    """One stage request as the router sends it: the binary frame (stage_protocol)."""
+    return httpx.post(f"{url}/internal/run", content=encode_stage_request(sreq), timeout=60,
+                      headers={**headers, "content-type": STAGE_FRAME_TYPE})
 
 
 def test_health_stays_fast_while_decoding_8_large_images(encoder) -> None:
@@ -62,8 +69,8 @@ def test_health_stays_fast_while_decoding_8_large_images(encoder) -> None:
     result: dict = {}
 
     def run() -> None:
-        with httpx.stream("POST", f"{worker.url}/internal/run", json=sreq, headers=dep.internal_headers,
-                          timeout=300) as r:
+        with httpx.stream("POST", f"{worker.url}/internal/run", content=encode_stage_request(sreq), timeout=300,
+                          headers={**dep.internal_headers, "content-type": STAGE_FRAME_TYPE}) as r:
             result["status"] = r.status_code
             result["lines"] = [line for line in r.iter_lines() if line.strip()]
 
@@ -101,11 +108,32 @@ def test_image_under_another_hash_is_refused(encoder) -> None:
     model, dep, worker = encoder
     real, other = big_png(1, 64), big_png(2, 64)
     sreq = encode_request(model, [real], "poison")
-    (h,) = sreq["images"]
-    sreq["images"][h] = base64.b64encode(other).decode()  # other bytes under real's hash
+    (h,) = sreq.images
+    sreq.images[h] = other  # other bytes under real's hash
     assert hashlib.sha256(other).hexdigest() != h
-    r = httpx.post(f"{worker.url}/internal/run", json=sreq, headers=dep.internal_headers, timeout=60)
+    r = post_frame(worker.url, sreq, dep.internal_headers)
     assert r.status_code == 400 and "hashes to" in r.json()["error"]["message"], r.text
     sreq = encode_request(model, [real], "honest")  # the right bytes still encode
-    r = httpx.post(f"{worker.url}/internal/run", json=sreq, headers=dep.internal_headers, timeout=60)
+    r = post_frame(worker.url, sreq, dep.internal_headers)
     assert r.status_code == 200 and '"encoded"' in r.text, r.text
+
+
+def test_image_bytes_cross_raw_in_the_frame_and_never_as_base64_json(encoder) -> None:
+    model, dep, worker = encoder
+    png = big_png(3, 64)
+    sreq = encode_request(model, [png], "framed")
+    frame = encode_stage_request(sreq)
+    assert png in frame and base64.b64encode(png) not in frame  # the bytes that cross: raw
+    r = post_frame(worker.url, sreq, dep.internal_headers)
+    assert r.status_code == 200, r.text
+    (encoded,) = [json.loads(line) for line in r.text.splitlines() if '"encoded"' in line]
+    assert [it["content_hash"] for it in encoded["items"]] == [hashlib.sha256(png).hexdigest()]
+    # The old form, base64 inside the JSON, is refused by name (422), not read as bytes.
+    old = json.loads(sreq.model_dump_json()) | {"request_id": "old", "images": {
+        sreq.mm_items[0].content_hash: base64.b64encode(png).decode()}}
+    r = httpx.post(f"{worker.url}/internal/run", json=old, headers=dep.internal_headers, timeout=60)
+    assert r.status_code == 422 and "binary tail" in r.json()["error"]["message"], r.text
+    # A frame cut short (its image's bytes missing) is refused, and nothing runs.
+    r = httpx.post(f"{worker.url}/internal/run", content=frame[:-10], timeout=60,
+                   headers={**dep.internal_headers, "content-type": STAGE_FRAME_TYPE})
+    assert r.status_code == 422 and "frame" in r.json()["error"]["message"], r.text

@@ -10,9 +10,13 @@ from pydantic import ValidationError
 
 from triptych.stage_protocol import (
     FinishedEvent,
+    StageFrameError,
+    StageRequest,
     TokenLogprob,
     TokensEvent,
+    decode_stage_request,
     encode_stage_event,
+    encode_stage_request,
     parse_stage_event,
 )
 
@@ -44,3 +48,31 @@ def test_round_trip_and_same_json_as_pydantic(event) -> None:
 def test_malformed_tokens_lines_are_refused(line: bytes) -> None:
     with pytest.raises(ValidationError):
         parse_stage_event(line)
+
+
+FRAMED = StageRequest(request_id="r1", stages=["encode", "prefill"], prompt_token_ids=[1, 2, 3],
+                      images={"h1": bytes(range(256)) * 3, "h2": b"", "h3": b"\n{\"x\":1}"})
+
+
+def test_stage_frame_round_trip_carries_raw_bytes() -> None:
+    frame = encode_stage_request(FRAMED)
+    back = decode_stage_request(frame)
+    assert back == FRAMED and back.images == FRAMED.images
+    assert bytes(range(256)) * 3 in frame  # raw, not base64
+    head_len = int.from_bytes(frame[:4], "big")
+    assert "images" not in json.loads(frame[4:4 + head_len])  # never inside the JSON
+    no_images = StageRequest(request_id="r2", stages=["decode"], prompt_token_ids=[4])
+    assert decode_stage_request(encode_stage_request(no_images)) == no_images
+
+
+@pytest.mark.parametrize("cut", [2, 10, -1, -300])
+def test_stage_frame_cut_short_is_refused(cut: int) -> None:
+    frame = encode_stage_request(FRAMED)
+    with pytest.raises(StageFrameError):
+        decode_stage_request(frame[:cut])
+
+
+def test_json_images_are_refused_by_name() -> None:
+    with pytest.raises(ValidationError, match="binary tail"):
+        StageRequest.model_validate_json(json.dumps({"request_id": "r", "stages": ["encode"],
+                                                     "prompt_token_ids": [1], "images": {"h": "aGk="}}))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import threading
 
@@ -41,9 +40,7 @@ async def test_pool_work_runs_off_the_event_loop_thread() -> None:
 def test_bytes_must_hash_to_their_content_hash() -> None:
     data, other = b"\x89PNG real image", b"\x89PNG another image"
     h = hashlib.sha256(data).hexdigest()
-    assert decode_payload({h: base64.b64encode(data).decode()}) == {h: data}
+    assert decode_payload({h: data}) == {h: data}  # raw bytes, as the stage frame carries them
     with pytest.raises(BadPayloadError, match="hashes to") as info:
-        decode_payload({h: base64.b64encode(other).decode()})
+        decode_payload({h: other})
     assert http_status(info.value) == 400
-    with pytest.raises(BadPayloadError, match="not base64"):
-        decode_payload({h: "!!not base64!!"})

@@ -3,6 +3,7 @@ and a failure after some pulls gives back everything pulled so far."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,8 +21,10 @@ from triptych.worker.stage_run import prepare
 
 
 class FakeMigration:
-    def __init__(self, kv_fails: bool) -> None:
+    def __init__(self, kv_fails: bool, gate: asyncio.Event | None = None) -> None:
         self.kv_fails = kv_fails
+        self.gate = gate  # the KV pull's READ ends when it is set
+        self.pulling = False
         self.released: list[Any] = []
         self.freed: list[list[int]] = []
 
@@ -29,6 +32,10 @@ class FakeMigration:
         return [f"entry-{s.content_hash}" for s in sources]
 
     async def pull_kv(self, src: KVSource, token_ids: Any = (), mm_items: Any = ()) -> list[int]:
+        self.pulling = True
+        if self.gate is not None:
+            await asyncio.wait_for(self.gate.wait(), timeout=10)
+        self.pulling = False
         if self.kv_fails:
             raise PullFailedError("pulling pd blocks failed: peer gone")
         return [3, 1]
@@ -40,9 +47,23 @@ class FakeMigration:
         self.freed.append(block_ids)
 
 
-def instance(role: InstanceType, migration: FakeMigration) -> InstanceRuntime:
+class FakeAdmission:
+    """Records what the pull was doing when the request was admitted."""
+
+    def __init__(self, migration: FakeMigration, refuse: bool = False) -> None:
+        self.migration = migration
+        self.refuse = refuse
+        self.during_pull: list[bool] = []
+
+    def prepare(self, req: Any) -> None:
+        self.during_pull.append(self.migration.pulling)
+        if self.refuse:
+            raise RequestValidationError("refused at admission")
+
+
+def instance(role: InstanceType, migration: FakeMigration, admission: FakeAdmission | None = None) -> InstanceRuntime:
     inst = InstanceRuntime(WorkerSettings(model="unused", instance_id="w1"))
-    inst.engine = SimpleNamespace(role=role)  # type: ignore[assignment]
+    inst.engine = SimpleNamespace(role=role, admission=admission or FakeAdmission(migration))  # type: ignore[assignment]
     inst.migration = migration  # type: ignore[assignment]
     return inst
 
@@ -80,10 +101,40 @@ async def test_refusals_before_any_pull() -> None:
     with pytest.raises(NotServingError, match="does not run stage"):
         await prepare(instance(InstanceType.E, migration), stage_request(**SOURCES))
     with pytest.raises(BadPayloadError) as err:
-        await prepare(instance(InstanceType.PD, migration), stage_request(images={"h": "not base64!"}))
+        await prepare(instance(InstanceType.PD, migration), stage_request(images={"h": b"not the bytes hashed to h"}))
     assert http_status(err.value) == 400
     draining = instance(InstanceType.PD, migration)
     draining.draining = True
     with pytest.raises(NotServingError, match="draining"):
         await prepare(draining, stage_request())
     assert migration.released == [] and migration.freed == []
+
+
+async def test_decode_is_admitted_while_its_kv_pull_is_in_flight() -> None:
+    gate = asyncio.Event()
+    migration = FakeMigration(kv_fails=False, gate=gate)
+    admission = FakeAdmission(migration)
+    run = asyncio.ensure_future(prepare(instance(InstanceType.D, migration, admission),
+                                        stage_request(kv_source=SOURCES["kv_source"])))
+    for _ in range(100):  # until the run waits for nothing but the READ
+        await asyncio.sleep(0)
+        if admission.during_pull:
+            break
+    assert admission.during_pull == [True] and not run.done()
+    gate.set()
+    req, _ = await asyncio.wait_for(run, timeout=10)
+    assert req.prefilled.block_ids == [3, 1] and migration.freed == []
+
+
+async def test_refused_at_admission_during_the_pull_frees_the_blocks_once_the_read_ends() -> None:
+    gate = asyncio.Event()
+    migration = FakeMigration(kv_fails=False, gate=gate)
+    run = asyncio.ensure_future(prepare(instance(InstanceType.D, migration, FakeAdmission(migration, refuse=True)),
+                                        stage_request(kv_source=SOURCES["kv_source"])))
+    for _ in range(100):
+        await asyncio.sleep(0)
+    assert not run.done() and migration.freed == []  # the READ may still write into them
+    gate.set()
+    with pytest.raises(RequestValidationError) as err:
+        await asyncio.wait_for(run, timeout=10)
+    assert http_status(err.value) == 400 and migration.freed == [[3, 1]]

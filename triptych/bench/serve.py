@@ -66,7 +66,8 @@ def cli_main(args: argparse.Namespace) -> int:
             log_dir = Path(args.log_dir) if getattr(args, "log_dir", None) else None
             per = run_topologies([t.strip() for t in topologies], args.model, cfg,
                                  getattr(args, "transfer_require", "nixl"), log_dir,
-                                 getattr(args, "idle_seconds", 3.0), instance_cpus, total_cpus)
+                                 getattr(args, "idle_seconds", 3.0), instance_cpus, total_cpus,
+                                 dtype=getattr(args, "dtype", "float32"))
             result: dict[str, Any] = {"topologies": per}
             series = {spec: [(r["rate"], r["slo_attainment"]) for r in rep["rates"]] for spec, rep in per.items()}
             rows = [{"topology": spec, **rep} for spec, rep in per.items()]

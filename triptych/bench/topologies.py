@@ -36,7 +36,7 @@ def cpus_per_instance(instances: int, instance_cpus: float | None, total_cpus: f
 
 def run_topologies(specs: Sequence[str], model: str, cfg: RunConfig, transfer_require: str,
                    log_dir: Path | None, idle_s: float = 3.0, instance_cpus: float | None = None,
-                   total_cpus: float | None = None) -> dict[str, Any]:
+                   total_cpus: float | None = None, dtype: str = "float32") -> dict[str, Any]:
     """Start each topology with LocalDeployment, measure its idle CPU for `idle_s` (0: skip),
     run the same plan against it, stop it."""
     from triptych.local import LocalDeployment, resolve_model
@@ -55,7 +55,8 @@ def run_topologies(specs: Sequence[str], model: str, cfg: RunConfig, transfer_re
         quota = f", {cpus[spec]:.3g} CPUs per instance" if cpus[spec] else ""
         progress(f"== {spec}: starting local deployment of {model_dir.name}{quota}")
         dep = LocalDeployment(model=model_dir, topology=topology, transfer_require=transfer_require,
-                              log_dir=log_dir / spec if log_dir else None, instance_cpus=cpus[spec])
+                              log_dir=log_dir / spec if log_dir else None, instance_cpus=cpus[spec],
+                              dtype=dtype)
         with dep:
             quotas = dep.instance_quotas()
             idle = deployment_idle_cpu(dep, idle_s, IDLE_SETTLE_S) if idle_s else None

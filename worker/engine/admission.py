@@ -63,6 +63,18 @@ class Admission:
 
     def validate(self, req: Request) -> None:
         """Raise a `RequestValidationError` subclass, or prepare `req` for the loop."""
+        if req.prepared_by is not self:
+            self.prepare(req)
+        elif req.request_id in self._in_use:
+            raise RequestValidationError(f"request id {req.request_id!r} is already in use")
+        if req.prefilled is not None:
+            self._validate_prefilled_blocks(req)
+
+    def prepare(self, req: Request) -> None:
+        """Everything `validate` checks and sets up that does not need the prefilled KV's
+        block ids: stages, tokens, images, capacity, seed, grammar, positions, text. A
+        decode's stage run calls it while its KV pull (a NIXL READ in a transfer thread) is
+        in flight, so that `add_request` finds the request ready once the blocks land."""
         if not req.stages:
             raise RequestValidationError("request names no stage to run")
         missing = sorted(s.value for s in req.stages if not self.role.runs(s))
@@ -85,6 +97,7 @@ class Admission:
             except ValueError as exc:
                 raise RequestValidationError(str(exc)) from exc
         self._prepare_text(req)
+        req.prepared_by = self
 
     def _validate_tokens(self, req: Request) -> None:
         n = req.num_prompt_tokens
@@ -174,15 +187,19 @@ class Admission:
         if pre.num_tokens != req.num_prompt_tokens + len(pre.generated):
             raise RequestValidationError(f"prefilled KV holds {pre.num_tokens} tokens; the prompt and the "
                                          f"tokens generated before have {req.num_prompt_tokens + len(pre.generated)}")
-        if len(pre.block_ids) != self.kv.blocks_for(pre.num_tokens):
-            raise RequestValidationError(f"{len(pre.block_ids)} KV blocks given for {pre.num_tokens} tokens; "
-                                         f"expected {self.kv.blocks_for(pre.num_tokens)}")
         if not all(0 <= t < self.spec.vocab_size for t in [*pre.generated, pre.first_token]):
             raise RequestValidationError(f"a generated token of {[*pre.generated, pre.first_token]} is "
                                          "outside the vocabulary")
         if pre.generated and len(pre.generated) + 1 >= req.params.max_tokens:
             raise RequestValidationError(f"{len(pre.generated) + 1} tokens were generated already; "
                                          f"max_tokens is {req.params.max_tokens}")
+
+    def _validate_prefilled_blocks(self, req: Request) -> None:
+        pre = req.prefilled
+        assert pre is not None and self.kv is not None
+        if len(pre.block_ids) != self.kv.blocks_for(pre.num_tokens):
+            raise RequestValidationError(f"{len(pre.block_ids)} KV blocks given for {pre.num_tokens} tokens; "
+                                         f"expected {self.kv.blocks_for(pre.num_tokens)}")
 
     def _prepare_guide(self, req: Request) -> None:
         """The request's grammar matcher, on every instance that samples for it; a decode

@@ -203,6 +203,9 @@ class Request:
     recomputable: bool = field(default=True, init=False)
     handoff: Handoff | None = field(default=None, init=False)  # set when PARKED
     num_preemptions: int = field(default=0, init=False)
+    # The Admission that prepared the request ahead of `add_request` (a decode's stage run
+    # does it while the KV pull is in flight): add_request then checks only the blocks.
+    prepared_by: object | None = field(default=None, init=False, repr=False)
     # text state (see outputs.py): detokenized as tokens come when `detok` is set (stop
     # strings, or streamed text), else decoded from the token ids when `text` is read
     text_parts: list[str] = field(default_factory=list, init=False)
