@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 from triptych.router.affinity import AffinityIndex, PrefixIndex
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
 from triptych.router.overhead import WaitClock, record_first_token
+from triptych.router.precopy import Precopier, Precopy
 from triptych.router.registry import Instance, Registry
 from triptych.router.relay import Relay, first_tokens
 from triptych.router.routing import (
@@ -46,6 +47,7 @@ from triptych.stage_protocol import (
     KVSource,
     MMItemSpec,
     MMSource,
+    PrecopyEvent,
     PrefilledEvent,
     StageRequest,
     VideoPart,
@@ -84,6 +86,10 @@ class OrchestratorConfig:
     # or D changing role) waits this long — never past stage_timeout_s — for one to come
     # back, instead of a 503; with none switching, the 503 is at once.
     plan_wait_s: float = 10.0
+    precopy_timeout_s: float = 5.0  # a decode pre-copy's pull (router/precopy.py)
+    # At a hand-over, how long to wait for its pre-copy still running (normally done: the
+    # source stops the decode once the pre-copy is pulled).
+    precopy_wait_s: float = 0.5
 
 
 @dataclass
@@ -113,6 +119,8 @@ class Orchestrator:
         self.prefixes = PrefixIndex(self.config.prefix_entries)
         self.metrics = RoutingMetrics(metrics_registry, registry)
         self.stages = StageClient(client, self.metrics)
+        self.precopier = Precopier(registry, self.stages, lambda c: self.chooser.choose(Stage.DECODE, c),
+                                   self.config.precopy_timeout_s)
         self.inflight = 0
 
     # -- Backend protocol -------------------------------------------------------------
@@ -278,9 +286,12 @@ class Orchestrator:
             footprint.urls.add(hop.instance.url)
             kv_source = None
             relay = Relay(req.sampling.n)
+            precopy: Precopy | None = None
             async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
                 async for event in events:
-                    if isinstance(event, PrefilledEvent):
+                    if isinstance(event, PrecopyEvent):
+                        precopy = self._precopy(req, event, mm_items, {hop.instance.url})
+                    elif isinstance(event, PrefilledEvent):
                         kv_source = event.kv
                         for token_event in first_tokens(event.kv):
                             yield token_event
@@ -292,8 +303,9 @@ class Orchestrator:
                         for token_event in relay.tokens(event):
                             yield token_event
             if relay.migrated:
+                prefer = await precopy.target(self.config.precopy_wait_s) if precopy is not None else None
                 async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
-                                                           {hop.instance.url}):
+                                                           {hop.instance.url}, prefer=prefer):
                     yield event
                 return
             if kv_source is None:
@@ -301,12 +313,14 @@ class Orchestrator:
 
     async def _continue_migrated(self, req: GenerationRequest, migrated: dict[int, KVSource],
                                  mm_items: list[MMItemSpec], footprint: Footprint, exclude: set[str],
-                                 moves: int = 0) -> AsyncIterator[TokenEvent]:
+                                 moves: int = 0, prefer: Instance | None = None) -> AsyncIterator[TokenEvent]:
         """Decodes migrated off an instance go on elsewhere (`_decode`: its bounded wait for a
-        decode instance, its hop bound counted from `moves`). With n > 1 each choice goes on
-        as a request of its own (its own seed stream), one after the other."""
+        decode instance, its hop bound counted from `moves`; at `prefer`, which holds its
+        pre-copied blocks, if it still takes decodes). With n > 1 each choice goes on as a
+        request of its own (its own seed stream), one after the other."""
         if req.sampling.n == 1:
-            async for event in self._decode(req, migrated[0], mm_items, footprint, exclude=exclude, moves=moves):
+            async for event in self._decode(req, migrated[0], mm_items, footprint, exclude=exclude, moves=moves,
+                                            prefer=prefer):
                 yield event
             return
         for index, kv in sorted(migrated.items()):
@@ -339,7 +353,8 @@ class Orchestrator:
 
     async def _decode(self, req: GenerationRequest, kv: KVSource, mm_items: list[MMItemSpec],
                       footprint: Footprint, first: Instance | None = None,
-                      exclude: set[str] | None = None, moves: int = 0) -> AsyncIterator[TokenEvent]:
+                      exclude: set[str] | None = None, moves: int = 0,
+                      prefer: Instance | None = None) -> AsyncIterator[TokenEvent]:
         """Decode from a KV cache another instance offers: a prefill's hand-over, or a
         decode migrated mid-stream (EPDServe §3.2.4 role switching, or a drain). A decode
         instance that refuses before its first event (503: switching, draining, full) is
@@ -352,7 +367,9 @@ class Orchestrator:
         while True:
             attempt += 1
             if target is None:
-                target = await self._decode_target(excluded, refused, deadline)
+                target = self._preferred(prefer, excluded | refused) or await self._decode_target(
+                    excluded, refused, deadline)
+                prefer = None  # one try: refused, it is passed over like any other
                 request_id = f"{req.request_id}.d{attempt}"  # the old instance may still hold the old id
                 footprint.ids.append(request_id)
             footprint.urls.add(target.url)
@@ -361,11 +378,14 @@ class Orchestrator:
                                 timeout_s=self._deadline([Stage.DECODE], req))
             received = False
             relay = Relay(req.sampling.n)
+            precopy: Precopy | None = None
             try:
                 async with aclosing(self.stages.run(target, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
                     async for event in events:
                         received = True
-                        if isinstance(event, FinishedEvent):
+                        if isinstance(event, PrecopyEvent):
+                            precopy = self._precopy(req, event, mm_items, excluded | {target.url})
+                        elif isinstance(event, FinishedEvent):
                             yield self._finished(target, event, Stage.DECODE)
                             if relay.finish():
                                 return
@@ -395,8 +415,23 @@ class Orchestrator:
                         yield event
                     return
                 kv = relay.migrated[0]
+                prefer = await precopy.target(self.config.precopy_wait_s) if precopy is not None else None
                 deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
             target = None
+
+    def _precopy(self, req: GenerationRequest, event: PrecopyEvent, mm_items: list[MMItemSpec],
+                 exclude: set[str]) -> Precopy | None:
+        """Start the pre-copy of a decode about to move (router/precopy.py); n > 1 decodes
+        move without one."""
+        if req.sampling.n > 1:
+            return None
+        return self.precopier.start(req.request_id, req.prompt_token_ids, mm_items, event.kv, exclude)
+
+    def _preferred(self, prefer: Instance | None, excluded: set[str]) -> Instance | None:
+        """`prefer` (holding a moving decode's pre-copied blocks) if it still takes decodes."""
+        if prefer is None:
+            return None
+        return next((i for i in self.registry.capable(Stage.DECODE, excluded) if i.url == prefer.url), None)
 
     async def _decode_target(self, excluded: set[str], refused: set[str], deadline: float) -> Instance:
         """A decode instance for a KV in hand: one that has not refused it, else (after a

@@ -28,6 +28,8 @@ from triptych.stage_protocol import (
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
+    PrecopyReply,
+    PrecopyRequest,
     PrefilledEvent,
     StageEvent,
     StageRequest,
@@ -139,6 +141,24 @@ class StageClient:
                 waits.end()
             inst.inflight -= 1
             self.metrics.hop_seconds.labels(label, outcome).observe(time.monotonic() - started)
+
+    async def precopy(self, inst: Instance, body: PrecopyRequest, timeout_s: float) -> PrecopyReply:
+        """POST /internal/precopy: `inst` pulls a moving decode's full KV blocks ahead of its
+        hand-over. Any failure is a StageFailure (the hand-over then pulls every block)."""
+        try:
+            resp = await self.client.post(f"{inst.url}/internal/precopy", content=body.model_dump_json(),
+                                          headers={"content-type": "application/json"}, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise StageFailure(inst, f"{inst.url} pre-copy failed: {type(exc).__name__}: {exc}",
+                               stage=Stage.DECODE) from exc
+        if resp.status_code != 200:
+            raise StageFailure(inst, f"{inst.url} refused the pre-copy ({resp.status_code}): {resp.text[:200]}",
+                               status=503 if resp.status_code in (429, 503) else 502, stage=Stage.DECODE)
+        try:
+            return PrecopyReply.model_validate_json(resp.content)
+        except ValidationError as exc:
+            raise StageFailure(inst, f"{inst.url} answered the pre-copy with no reply: {exc.error_count()} error(s)",
+                               stage=Stage.DECODE) from exc
 
     def abort_later(self, urls: Iterable[str], request_ids: Iterable[str], timeout_s: float) -> None:
         """`abort` in the background (a caller that goes on need not wait for a dead instance)."""

@@ -206,6 +206,33 @@ class MigratingEvent(BaseModel):
     index: int = 0  # the choice (n > 1)
 
 
+class PrecopyEvent(BaseModel):
+    """Live-migration pre-copy (a role switch or a drain about to move this decode): the
+    instance still decodes the stream, and offers the KV blocks already full (they never
+    change again) under a lease. The router has another decode instance pull them ahead
+    (`POST /internal/precopy`); the `migrating` event that follows hands over all blocks,
+    and that instance pulls only those it does not hold yet (the last, partial ones)."""
+
+    type: Literal["precopy"] = "precopy"
+    kv: KVSource  # the full blocks: num_tokens is a multiple of the block size
+    index: int = 0  # the choice (n > 1)
+
+
+class PrecopyRequest(BaseModel):
+    """Pull a running decode's full KV blocks into this decode instance's prefix cache
+    ahead of its hand-over (the prompt and `kv.generated` name them), and confirm."""
+
+    request_id: str
+    prompt_token_ids: list[int] = Field(min_length=1)
+    mm_items: list[MMItemSpec] = []
+    kv: KVSource
+
+
+class PrecopyReply(BaseModel):
+    pulled_blocks: int  # blocks read from the source
+    held_blocks: int  # blocks this instance's prefix cache held already (not pulled)
+
+
 class FinishedEvent(BaseModel):
     type: Literal["finished"] = "finished"
     finish_reason: Literal["stop", "length", "abort"]
@@ -222,7 +249,8 @@ class ErrorEvent(BaseModel):
 # One line of a `/internal/run` answer: the `type` field says which event it is. Each
 # event is written as its own model's JSON (`event.model_dump_json()`), so the union
 # changes nothing on the wire; readers parse a line with `parse_stage_event`.
-StageEvent = Annotated[EncodedEvent | TokensEvent | PrefilledEvent | MigratingEvent | FinishedEvent | ErrorEvent,
+StageEvent = Annotated[EncodedEvent | TokensEvent | PrefilledEvent | MigratingEvent | PrecopyEvent | FinishedEvent
+                       | ErrorEvent,
                        Field(discriminator="type")]
 STAGE_EVENT = TypeAdapter(StageEvent)
 

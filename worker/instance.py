@@ -96,7 +96,7 @@ class InstanceRuntime:
                 # embeddings) need not be pulled before the new role serves; they stay under
                 # their leases and are released on confirm or expiry (`_follow_handover`).
                 keep_parked = keeps_handovers(self.engine, InstanceType(role))
-                await self._offload()
+                precopy_s = await self._offload()
                 offloaded = time.monotonic()
                 moved = await self._migrate(keep_parked)
                 migrated = time.monotonic()
@@ -106,9 +106,9 @@ class InstanceRuntime:
                 self.role = role
                 self._follow_handover(pending, moved, started, migrated)
                 log.info("instance %s now serves role %s (in place)", self.settings.instance_id, role)
-                return {**_report(offloaded - started, migrated - offloaded, time.monotonic() - migrated,
+                return {**_report(offloaded - started - precopy_s, migrated - offloaded, time.monotonic() - migrated,
                                   after["migrated_out"] - before["migrated_out"],
-                                  after["handed_back"] - before["handed_back"]),
+                                  after["handed_back"] - before["handed_back"], precopy_s),
                         "handover_pending": len(pending)}
             finally:
                 self.switching, self.target_role = False, None
@@ -130,15 +130,44 @@ class InstanceRuntime:
         log.info("instance %s now serves role %s", self.settings.instance_id, role)
         return _report(0.0, drained - started, time.monotonic() - drained, 0, 0)
 
-    async def _offload(self) -> None:
+    async def _offload(self) -> float:
         """Hand back queued requests (their runs end with a retriable 503 before their first
-        token) and start migrating decodes out; returns once the engine has done both."""
+        token) and start migrating decodes out; returns once the engine has done both, and
+        the seconds the decodes' pre-copy took (`_precopy`)."""
         engine = self.engine
         assert engine is not None
-        engine.offload(migrate=engine.role.runs(Stage.DECODE))
+        decodes = engine.role.runs(Stage.DECODE)
+        precopy_s = await self._precopy() if decodes else 0.0
+        engine.offload(migrate=decodes)
+        await self._inbox_taken(engine)
+        return precopy_s
+
+    async def _inbox_taken(self, engine: Engine) -> None:
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while engine.has_pending_inbox and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
+
+    async def _precopy(self) -> float:
+        """Live migration's pre-copy (Clark et al., "Live Migration of Virtual Machines",
+        NSDI '05 §3: iterative pre-copy, then stop-and-copy of what is left): hand back
+        queued work, then every running decode offers its full KV blocks (its stream sends
+        a `precopy` event; the router has the decode's next instance pull them) and keeps
+        decoding here. Returns once every offer was pulled — or `precopy_timeout_s` passed
+        (a slow or failed target: the hand-over then pulls what it lacks) — in seconds.
+        The hand-over that follows moves only the blocks filled since (the last, partial
+        one), so a moved stream pauses for a small pull, not for all of its KV."""
+        engine, migration = self.engine, self.migration
+        timeout = self.settings.precopy_timeout_s
+        if engine is None or migration is None or timeout <= 0:
+            return 0.0
+        started = time.monotonic()
+        engine.offload(migrate=False)
+        engine.precopy()
+        await self._inbox_taken(engine)
+        deadline = started + timeout
+        while (engine.precopies_waiting() or migration.precopies_outstanding()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        return time.monotonic() - started
 
     async def _migrate(self, keep_parked: bool) -> list[str]:
         """Wait until every request has left the engine (prefills finished and handed over,
@@ -218,6 +247,7 @@ class InstanceRuntime:
         free the leases nobody pulled. Running decodes are handed to another decode
         instance (migrated out) rather than waited for."""
         if self.engine is not None and self.engine.role.runs(Stage.DECODE):
+            await self._precopy()
             self.engine.offload(migrate=True)
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while (self.inflight or self.leases_outstanding()) and time.monotonic() < deadline:
@@ -281,7 +311,12 @@ class InstanceRuntime:
         return base
 
 
-def _report(offload_s: float, migrate_s: float, onload_s: float, migrated: int, handed_back: int) -> dict[str, Any]:
-    """What `/admin/role` answers: each phase's seconds and what moved."""
-    return {"offload_s": round(offload_s, 6), "migrate_s": round(migrate_s, 6), "onload_s": round(onload_s, 6),
-            "total_s": round(offload_s + migrate_s + onload_s, 6), "migrated": migrated, "handed_back": handed_back}
+def _report(offload_s: float, migrate_s: float, onload_s: float, migrated: int, handed_back: int,
+            precopy_s: float = 0.0) -> dict[str, Any]:
+    """What `/admin/role` answers: each phase's seconds and what moved. `precopy_s` (the
+    moved decodes' pre-copy, while they still decode here) is a part of offload, counted
+    apart: `offload_s` is the rest of it."""
+    total = precopy_s + offload_s + migrate_s + onload_s
+    return {"precopy_s": round(precopy_s, 6), "offload_s": round(offload_s, 6), "migrate_s": round(migrate_s, 6),
+            "onload_s": round(onload_s, 6), "total_s": round(total, 6), "migrated": migrated,
+            "handed_back": handed_back}

@@ -3,8 +3,8 @@ here: the instance's role lifecycle is instance.py, a stage run (and the migrati
 and offers around it) is stage_run.py, statuses come from errors.py.
 
 Endpoints: `POST /internal/run` runs a contiguous run of a request's stages and streams
-NDJSON events back to the router; `POST /internal/abort/{id}` (both need the internal
-token); `/admin/role`, `/admin/stats`, `/admin/timings` (the admin token; auth.py); `/health`, `/ready`,
+NDJSON events back to the router; `POST /internal/precopy` pulls a decode's full KV blocks
+ahead of its move here; `POST /internal/abort/{id}` (all need the internal token); `/admin/role`, `/admin/stats`, `/admin/timings` (the admin token; auth.py); `/health`, `/ready`,
 `/live`, `/metrics` (open, and free of secrets: no agent metadata, handles or leases).
 """
 
@@ -27,10 +27,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 
-from triptych.stage_protocol import WORKER_KEEPALIVE_TIMEOUT_S, RoleSwitch, StageRequest
+from triptych.stage_protocol import WORKER_KEEPALIVE_TIMEOUT_S, PrecopyRequest, RoleSwitch, StageRequest
 from triptych.timings import TIMINGS, TimingsPage
 from triptych.topology import UNASSIGNED, InstanceType
-from triptych.worker import choices
+from triptych.worker import choices, stage_run
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.draining import DrainingServer
 from triptych.worker.engine.request import RequestValidationError
@@ -138,6 +138,15 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
             return _error(http_status(exc), str(exc), error_code(exc))
         run_stream = choices.stream if sreq.sampling.n > 1 else stream
         return StreamingResponse(run_stream(inst, sreq, req, reserved), media_type="application/x-ndjson")
+
+    @app.post("/internal/precopy")
+    async def precopy(body: PrecopyRequest) -> JSONResponse:
+        # A decode about to move here: pull its full KV blocks ahead (live-migration pre-copy).
+        try:
+            reply = await stage_run.precopy(inst, body)
+        except _REFUSALS as exc:
+            return _error(http_status(exc), str(exc), error_code(exc))
+        return JSONResponse(reply.model_dump())
 
     @app.post("/internal/abort/{request_id}")
     async def abort(request_id: str) -> dict[str, str]:

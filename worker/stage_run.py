@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel
@@ -22,6 +23,9 @@ from triptych.stage_protocol import (
     ErrorEvent,
     FinishedEvent,
     MigratingEvent,
+    PrecopyEvent,
+    PrecopyReply,
+    PrecopyRequest,
     PrefilledEvent,
     StageRequest,
     TokenLogprob,
@@ -33,7 +37,7 @@ from triptych.worker.admission import decode_payload, vision_inputs
 from triptych.worker.engine.request import PrefilledKV, Request, RequestOutput, RequestValidationError
 from triptych.worker.errors import NotServingError, engine_failure_status, http_status
 
-__all__ = ["engine_failure_status", "events_for", "prepare", "stream"]
+__all__ = ["engine_failure_status", "events_for", "precopy", "prepare", "stream"]
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import observe_stages
 from triptych.worker.migration import MigrationService
@@ -57,6 +61,22 @@ async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, l
         inst.preparing -= 1
 
 
+async def precopy(inst: InstanceRuntime, body: PrecopyRequest) -> PrecopyReply:
+    """Pull a running decode's full KV blocks into this decode instance's prefix cache
+    ahead of its hand-over (live-migration pre-copy; MigrationService.precopy_kv)."""
+    engine, migration = inst.engine, inst.migration
+    if engine is None or migration is None or inst.draining or inst.switching:
+        raise NotServingError(f"instance {inst.settings.instance_id} is {inst.status}; not accepting work")
+    if not engine.role.runs(Stage.DECODE):
+        raise NotServingError(f"instance role {engine.role.value} does not run stage decode")
+    inst.preparing += 1  # a switch waits for it: the blocks it fills are this role's cache's
+    try:
+        pulled, held = await migration.precopy_kv(body.kv, body.prompt_token_ids, body.mm_items)
+    finally:
+        inst.preparing -= 1
+    return PrecopyReply(pulled_blocks=pulled, held_blocks=held)
+
+
 async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationService,
                        sreq: StageRequest) -> tuple[Request, list[Any]]:
     # Image work first (nothing is reserved yet), on the decode pool: off the event loop.
@@ -70,8 +90,9 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
     try:
         if sreq.kv_source is not None:
             src = sreq.kv_source
-            # The prompt lets the pull skip blocks this instance's prefix cache already holds.
-            block_ids = await migration.pull_kv(src, sreq.prompt_token_ids, sreq.mm_items)
+            # The tokens let the pull skip blocks this instance's prefix cache already holds:
+            # a shared prompt prefix, or a migrated decode's blocks pre-copied here.
+            block_ids = await migration.pull_kv(src, [*sreq.prompt_token_ids, *src.generated], sreq.mm_items)
             prefilled = PrefilledKV(block_ids=block_ids, num_tokens=src.num_tokens, first_token=src.first_token,
                                     generated=list(src.generated))
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
@@ -138,8 +159,12 @@ def _tokens_event(tokens: list[int], out: RequestOutput) -> TokensEvent:
 
 
 def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int,
-               req: Request | None = None) -> list[BaseModel]:
-    """The stage events of one engine output (`req`: for an n > 1 prefill's other first tokens)."""
+               req: Request | None = None, engine: Any = None, precopy: bool = True) -> list[BaseModel]:
+    """The stage events of one engine output (`req`: for an n > 1 prefill's other first
+    tokens; `engine`: to hold the full KV blocks of a pre-copy, unless not `precopy`)."""
+    if out.precopy:
+        events = events_for(migration, sreq, replace(out, precopy=False), skip, req)
+        return events + _precopy(migration, sreq, engine, precopy)
     if out.error:  # bad input was refused at add_request (400); what fails later is ours
         return [ErrorEvent(status=engine_failure_status(out), message=out.error)]
     handoff = out.handoff
@@ -168,6 +193,22 @@ def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutp
         reason = out.finish_reason.value if out.finish_reason else "abort"
         events.append(FinishedEvent(finish_reason=reason, timings=out.timings or {}))
     return events
+
+
+def _precopy(migration: MigrationService, sreq: StageRequest, engine: Any, allowed: bool) -> list[BaseModel]:
+    """A decode about to be moved offers its full KV blocks for a pre-copy while it goes on
+    here (live migration; the switch waits for the pull before it stops the decode). Not
+    for the choices of an n > 1 request (`allowed` False: they move as before), nor a
+    decode with no full block yet."""
+    if engine is None:
+        return []
+    if not allowed:
+        engine.skip_precopy(sreq.request_id)
+        return []
+    held = engine.hold_full_kv(sreq.request_id)
+    if held is None:
+        return []
+    return [PrecopyEvent(kv=migration.offer_precopy(sreq.request_id, held))]
 
 
 def _line(event: BaseModel) -> bytes:
@@ -205,7 +246,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
                 reserved = []
             events: list[BaseModel] = []
             for out in batch:
-                events += events_for(migration, sreq, out, skip, req)
+                events += events_for(migration, sreq, out, skip, req, engine)
                 skip = max(0, skip - len(out.new_token_ids))
                 if out.finished and out.timings:
                     observe_stages(engine.role.value, set(sreq.stages), out.timings)

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,7 @@ class Engine(PulledBlocks):
         self._budget_pair = self._budgets()
         self._wire(Counters(), self.spec.eos_token_ids)
         self.migrating_out = False  # park every decode after its step (role switch / drain)
+        self.precopy_pending: set[str] = set()  # decodes told to offer a pre-copy, not yet offered
         self.driver = EngineDriver(self)
         self.stalled = False  # the last step found nothing it could run
 
@@ -136,6 +138,44 @@ class Engine(PulledBlocks):
         after its next step for another instance to pull (EPDServe §3.2.4)."""
         self._inbox.append(("offload", migrate))
         self.driver.wake()
+
+    def precopy(self) -> None:
+        """Live-migration pre-copy (switch or drain about to move the decodes): every running
+        decode gets an output with `precopy` set, on which its stream offers the KV blocks
+        already full (`hold_full_kv`) while the decode goes on here."""
+        self._inbox.append(("precopy", None))
+        self.driver.wake()
+
+    def precopies_waiting(self) -> int:
+        """Decodes told to offer a pre-copy that are still running here and have not yet."""
+        with self._lock:
+            live = {i for i, r in self._requests.items() if r.status == RequestStatus.DECODING}
+            self.precopy_pending &= live
+            return len(self.precopy_pending)
+
+    def skip_precopy(self, request_id: str) -> None:
+        """The decode's stream offers no pre-copy (it moves whole at the hand-over)."""
+        with self._lock:
+            self.precopy_pending.discard(request_id)
+
+    def hold_full_kv(self, request_id: str) -> HeldKV | None:
+        """A reference to each full KV block of a running decode (their KV never changes
+        again), for a pre-copy lease: the blocks stay valid whatever the request does next
+        (finish, abort, park), until `HeldKV.release`. None when the request is not decoding
+        here or has no full block."""
+        with self._lock:
+            self.precopy_pending.discard(request_id)
+            req = self._requests.get(request_id)
+            kv = self.kv
+            if req is None or kv is None or req.status != RequestStatus.DECODING:
+                return None
+            full = req.num_computed_tokens // kv.block_size
+            if full == 0:
+                return None
+            block_ids = req.block_ids[:full]
+            kv.touch(block_ids)
+            return HeldKV(block_ids, full * kv.block_size, req.all_token_ids[:full * kv.block_size + 1],
+                          req.num_prompt_tokens, _releaser(kv, block_ids, self._lock, self.driver.wake))
 
     def _budgets(self) -> tuple[int, int]:
         cfg = self.config
@@ -278,6 +318,13 @@ class Engine(PulledBlocks):
                 self.migrating_out = self.migrating_out or arg
                 if arg:
                     outputs.extend(self.output.park_decodes())
+            elif kind == "precopy":
+                for req in [r for r in self.scheduler.running if r.status == RequestStatus.DECODING
+                            and Stage.DECODE in r.stages]:
+                    self.precopy_pending.add(req.request_id)
+                    out = self.output.output(req)
+                    out.precopy = True
+                    outputs.append(out)
             elif kind in ("abort", "release"):
                 req = self._requests.get(arg)
                 if req is not None:
@@ -394,6 +441,32 @@ class Engine(PulledBlocks):
     def generate_batches(self, req: Request, timeout_s: float | None = 600.0) -> AsyncIterator[list[RequestOutput]]:
         """`generate`, with every output already queued for the request taken at once."""
         return self.driver.generate_batches(req, timeout_s)
+
+
+@dataclass
+class HeldKV:
+    """Full KV blocks of a running decode held for a pre-copy (`Engine.hold_full_kv`):
+    `tokens` are the ones whose KV they hold, plus the token sampled after them."""
+
+    block_ids: list[int]
+    num_tokens: int
+    tokens: list[int]
+    num_prompt_tokens: int
+    release: Callable[[], None]  # drop the references (once; later calls do nothing)
+
+
+def _releaser(kv: Any, block_ids: list[int], lock: threading.RLock, wake: Callable[[], None]) -> Callable[[], None]:
+    """Free `block_ids` in `kv` once — in that cache even after a role change replaced it."""
+    done = [False]
+
+    def release() -> None:
+        with lock:
+            if done[0]:
+                return
+            done[0] = True
+            kv.free(block_ids)
+        wake()
+    return release
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
