@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry
 from triptych.router.affinity import AffinityIndex, PrefixIndex
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
 from triptych.router.overhead import WaitClock, record_first_token
-from triptych.router.precopy import Precopier, Precopy
 from triptych.router.registry import Instance, Registry
 from triptych.router.relay import Relay, first_tokens
 from triptych.router.routing import (
@@ -40,6 +39,7 @@ from triptych.router.routing import (
 )
 from triptych.router.routing_metrics import RoutingMetrics
 from triptych.router.stage_client import StageClient, StageFailure
+from triptych.router.takeover import Takeover
 from triptych.router.video_decode import VideoDispatcher
 from triptych.stage_protocol import (
     EncodedEvent,
@@ -49,6 +49,7 @@ from triptych.stage_protocol import (
     MMSource,
     PrecopyEvent,
     PrefilledEvent,
+    StageEvent,
     StageRequest,
     VideoPart,
 )
@@ -86,10 +87,6 @@ class OrchestratorConfig:
     # or D changing role) waits this long — never past stage_timeout_s — for one to come
     # back, instead of a 503; with none switching, the 503 is at once.
     plan_wait_s: float = 10.0
-    precopy_timeout_s: float = 5.0  # a decode pre-copy's pull (router/precopy.py)
-    # At a hand-over, how long to wait for its pre-copy still running (normally done: the
-    # source stops the decode once the pre-copy is pulled).
-    precopy_wait_s: float = 0.5
 
 
 @dataclass
@@ -119,8 +116,6 @@ class Orchestrator:
         self.prefixes = PrefixIndex(self.config.prefix_entries)
         self.metrics = RoutingMetrics(metrics_registry, registry)
         self.stages = StageClient(client, self.metrics)
-        self.precopier = Precopier(registry, self.stages, lambda c: self.chooser.choose(Stage.DECODE, c),
-                                   self.config.precopy_timeout_s)
         self.inflight = 0
 
     # -- Backend protocol -------------------------------------------------------------
@@ -286,43 +281,50 @@ class Orchestrator:
             footprint.urls.add(hop.instance.url)
             kv_source = None
             relay = Relay(req.sampling.n)
-            precopy: Precopy | None = None
-            async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
-                async for event in events:
-                    if isinstance(event, PrecopyEvent):
-                        precopy = self._precopy(req, event, mm_items, {hop.instance.url})
-                    elif isinstance(event, PrefilledEvent):
-                        kv_source = event.kv
-                        for token_event in first_tokens(event.kv):
-                            yield token_event
-                    elif isinstance(event, FinishedEvent):
-                        yield self._finished(hop.instance, event, hop.stages[-1])
-                        if relay.finish():
-                            return
-                    else:
-                        for token_event in relay.tokens(event):
-                            yield token_event
-            if relay.migrated:
-                prefer = await precopy.target(self.config.precopy_wait_s) if precopy is not None else None
-                async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
-                                                           {hop.instance.url}, prefer=prefer):
-                    yield event
-                return
+            takeover: Takeover | None = None  # the decode's next hop, if it is to move (a pre-copy)
+            try:
+                async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s,
+                                                    footprint.waits)) as events:
+                    async for event in events:
+                        if isinstance(event, PrecopyEvent):
+                            takeover = self._takeover(req, event, mm_items, {hop.instance.url}, footprint, takeover)
+                        elif isinstance(event, PrefilledEvent):
+                            kv_source = event.kv
+                            for token_event in first_tokens(event.kv):
+                                yield token_event
+                        elif isinstance(event, FinishedEvent):
+                            yield self._finished(hop.instance, event, hop.stages[-1])
+                            if relay.finish():
+                                return
+                        else:
+                            for token_event in relay.tokens(event):
+                                yield token_event
+                if relay.migrated:
+                    moving, takeover = takeover, None  # _decode owns it from here
+                    async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
+                                                               {hop.instance.url}, takeover=moving):
+                        yield event
+                    return
+            finally:
+                if takeover is not None:
+                    takeover.close()
             if kv_source is None:
                 raise StageFailure(hop.instance, f"{hop.instance.url} ended {list(hop.stages)} without a hand-over")
 
     async def _continue_migrated(self, req: GenerationRequest, migrated: dict[int, KVSource],
                                  mm_items: list[MMItemSpec], footprint: Footprint, exclude: set[str],
-                                 moves: int = 0, prefer: Instance | None = None) -> AsyncIterator[TokenEvent]:
+                                 moves: int = 0, takeover: Takeover | None = None) -> AsyncIterator[TokenEvent]:
         """Decodes migrated off an instance go on elsewhere (`_decode`: its bounded wait for a
-        decode instance, its hop bound counted from `moves`; at `prefer`, which holds its
-        pre-copied blocks, if it still takes decodes). With n > 1 each choice goes on as a
-        request of its own (its own seed stream), one after the other."""
+        decode instance, its hop bound counted from `moves`; through `takeover`, the hop its
+        pre-copy opened, if its instance still takes decodes). With n > 1 each choice goes
+        on as a request of its own (its own seed stream), one after the other."""
         if req.sampling.n == 1:
             async for event in self._decode(req, migrated[0], mm_items, footprint, exclude=exclude, moves=moves,
-                                            prefer=prefer):
+                                            takeover=takeover):
                 yield event
             return
+        if takeover is not None:  # never opened for n > 1; closed all the same
+            takeover.close()
         for index, kv in sorted(migrated.items()):
             choice = replace(req, request_id=f"{req.request_id}.c{index}", sampling=req.sampling.for_choice(index))
             async for event in self._decode(choice, kv, mm_items, footprint, exclude=exclude, moves=moves):
@@ -354,7 +356,7 @@ class Orchestrator:
     async def _decode(self, req: GenerationRequest, kv: KVSource, mm_items: list[MMItemSpec],
                       footprint: Footprint, first: Instance | None = None,
                       exclude: set[str] | None = None, moves: int = 0,
-                      prefer: Instance | None = None) -> AsyncIterator[TokenEvent]:
+                      takeover: Takeover | None = None) -> AsyncIterator[TokenEvent]:
         """Decode from a KV cache another instance offers: a prefill's hand-over, or a
         decode migrated mid-stream (EPDServe §3.2.4 role switching, or a drain). A decode
         instance that refuses before its first event (503: switching, draining, full) is
@@ -364,74 +366,101 @@ class Orchestrator:
         refused: set[str] = set()  # 503s: passed over, tried again once nothing else takes it
         target, request_id, attempt = first, req.request_id, 0
         deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
-        while True:
-            attempt += 1
-            if target is None:
-                target = self._preferred(prefer, excluded | refused) or await self._decode_target(
-                    excluded, refused, deadline)
-                prefer = None  # one try: refused, it is passed over like any other
-                request_id = f"{req.request_id}.d{attempt}"  # the old instance may still hold the old id
-                footprint.ids.append(request_id)
-            footprint.urls.add(target.url)
-            sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
-                                mm_items=mm_items, kv_source=kv, sampling=req.sampling, grammar=req.grammar,
-                                timeout_s=self._deadline([Stage.DECODE], req))
-            received = False
-            relay = Relay(req.sampling.n)
-            precopy: Precopy | None = None
-            try:
-                async with aclosing(self.stages.run(target, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
-                    async for event in events:
-                        received = True
-                        if isinstance(event, PrecopyEvent):
-                            precopy = self._precopy(req, event, mm_items, excluded | {target.url})
-                        elif isinstance(event, FinishedEvent):
-                            yield self._finished(target, event, Stage.DECODE)
-                            if relay.finish():
-                                return
-                        else:
-                            for token_event in relay.tokens(event):
-                                yield token_event
-            except StageFailure as failure:
-                if received or failure.status != 503:
-                    raise
-                log.info("request %s: %s refused the decode (%s); trying another", req.request_id,
-                         target.url, failure)
-                self._decide(Stage.DECODE, "retried")
-                refused.add(target.url)
-            else:
-                if not relay.migrated:
-                    raise StageFailure(target, f"{target.url} ended the decode without finishing it",
-                                       stage=Stage.DECODE)
-                moves += 1
-                if moves > self.config.max_decode_hops:
-                    raise StageFailure(target, f"decode moved more than {self.config.max_decode_hops} times",
-                                       stage=Stage.DECODE)
-                excluded.add(target.url)
-                log.info("request %s: decode migrated off %s", req.request_id, target.url)
-                if req.sampling.n > 1:  # each migrated choice goes on by itself
-                    async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
-                                                               excluded, moves):
-                        yield event
-                    return
-                kv = relay.migrated[0]
-                prefer = await precopy.target(self.config.precopy_wait_s) if precopy is not None else None
-                deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
-            target = None
+        try:
+            while True:
+                attempt += 1
+                current: Takeover | None = None  # this hop, when its pre-copy opened it
+                if target is None:
+                    if takeover is not None and self._still_decodes(takeover.target, excluded | refused):
+                        current, takeover = takeover, None
+                        target, request_id = current.target, current.request_id
+                        current.hand_over(kv)  # stop-and-copy: the rest of the KV goes there
+                    else:
+                        if takeover is not None:
+                            takeover.close()
+                            takeover = None
+                        target = await self._decode_target(excluded, refused, deadline)
+                        request_id = f"{req.request_id}.d{attempt}"  # the old instance may still hold the old id
+                        footprint.ids.append(request_id)
+                footprint.urls.add(target.url)
+                received = False
+                relay = Relay(req.sampling.n)
+                try:
+                    async with aclosing(current.events() if current is not None else
+                                        self._decode_hop(target, request_id, req, kv, mm_items, footprint)) as events:
+                        async for event in events:
+                            received = True
+                            if isinstance(event, PrecopyEvent):
+                                takeover = self._takeover(req, event, mm_items, excluded | {target.url}, footprint,
+                                                          takeover)
+                            elif isinstance(event, FinishedEvent):
+                                yield self._finished(target, event, Stage.DECODE)
+                                if relay.finish():
+                                    return
+                            else:
+                                for token_event in relay.tokens(event):
+                                    yield token_event
+                except StageFailure as failure:
+                    if received or failure.status != 503:
+                        raise
+                    log.info("request %s: %s refused the decode (%s); trying another", req.request_id,
+                             target.url, failure)
+                    self._decide(Stage.DECODE, "retried")
+                    refused.add(target.url)
+                else:
+                    if not relay.migrated:
+                        raise StageFailure(target, f"{target.url} ended the decode without finishing it",
+                                           stage=Stage.DECODE)
+                    moves += 1
+                    if moves > self.config.max_decode_hops:
+                        raise StageFailure(target, f"decode moved more than {self.config.max_decode_hops} times",
+                                           stage=Stage.DECODE)
+                    excluded.add(target.url)
+                    log.info("request %s: decode migrated off %s", req.request_id, target.url)
+                    if req.sampling.n > 1:  # each migrated choice goes on by itself
+                        async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
+                                                                   excluded, moves):
+                            yield event
+                        return
+                    kv = relay.migrated[0]
+                    deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
+                finally:
+                    if current is not None:
+                        current.close()  # done, or its reader left: the connection goes
+                target = None
+        finally:
+            if takeover is not None:  # opened by a pre-copy, never handed over
+                takeover.close()
 
-    def _precopy(self, req: GenerationRequest, event: PrecopyEvent, mm_items: list[MMItemSpec],
-                 exclude: set[str]) -> Precopy | None:
-        """Start the pre-copy of a decode about to move (router/precopy.py); n > 1 decodes
-        move without one."""
-        if req.sampling.n > 1:
-            return None
-        return self.precopier.start(req.request_id, req.prompt_token_ids, mm_items, event.kv, exclude)
+    def _decode_hop(self, target: Instance, request_id: str, req: GenerationRequest, kv: KVSource,
+                    mm_items: list[MMItemSpec], footprint: Footprint) -> AsyncIterator[StageEvent]:
+        sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
+                            mm_items=mm_items, kv_source=kv, sampling=req.sampling, grammar=req.grammar,
+                            timeout_s=self._deadline([Stage.DECODE], req))
+        return self.stages.run(target, sreq, self.config.stage_timeout_s, footprint.waits)
 
-    def _preferred(self, prefer: Instance | None, excluded: set[str]) -> Instance | None:
-        """`prefer` (holding a moving decode's pre-copied blocks) if it still takes decodes."""
-        if prefer is None:
+    def _takeover(self, req: GenerationRequest, event: PrecopyEvent, mm_items: list[MMItemSpec],
+                  exclude: set[str], footprint: Footprint, previous: Takeover | None) -> Takeover | None:
+        """A decode is about to move (its instance switches role or drains): open its next hop
+        at another decode instance now, with its full blocks to pre-copy (router/takeover.py).
+        None for n > 1 (its choices move without one) or with no other decode instance."""
+        if previous is not None:
+            previous.close()
+        candidates = self.registry.capable(Stage.DECODE, exclude)
+        if req.sampling.n > 1 or not candidates:
             return None
-        return next((i for i in self.registry.capable(Stage.DECODE, excluded) if i.url == prefer.url), None)
+        target = self.chooser.choose(Stage.DECODE, candidates)
+        request_id = f"{req.request_id}.t{len(footprint.ids)}"  # unique among the request's ids
+        footprint.ids.append(request_id)
+        footprint.urls.add(target.url)
+        sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
+                            mm_items=mm_items, kv_source=event.kv, sampling=req.sampling, grammar=req.grammar,
+                            timeout_s=self._deadline([Stage.DECODE], req))
+        # Its own wait clock: it runs beside the source's hop until the hand-over.
+        return Takeover(self.stages, target, sreq, self.config.stage_timeout_s, WaitClock())
+
+    def _still_decodes(self, inst: Instance, excluded: set[str]) -> bool:
+        return any(i.url == inst.url for i in self.registry.capable(Stage.DECODE, excluded))
 
     async def _decode_target(self, excluded: set[str], refused: set[str], deadline: float) -> Instance:
         """A decode instance for a KV in hand: one that has not refused it, else (after a

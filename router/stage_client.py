@@ -28,8 +28,6 @@ from triptych.stage_protocol import (
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
-    PrecopyReply,
-    PrecopyRequest,
     PrefilledEvent,
     StageEvent,
     StageRequest,
@@ -69,15 +67,17 @@ class StageClient:
         self._aborts: set[asyncio.Task[None]] = set()  # abort_later's, held until done
 
     async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float,
-                  waits: WaitClock | None = None) -> AsyncIterator[StageEvent]:
+                  waits: WaitClock | None = None, *, path: str = "/internal/run",
+                  content: AsyncIterator[bytes] | None = None) -> AsyncIterator[StageEvent]:
         """POST /internal/run and yield its events (never an `error` one: those raise).
         `read_timeout_s` bounds each silence on the stream. `waits` counts the time spent
-        waiting on the worker (not the time the caller spends between events)."""
+        waiting on the worker (not the time the caller spends between events). A takeover
+        (router/takeover.py) posts to `path` a body streamed from `content` instead."""
         timeout = httpx.Timeout(connect=5.0, read=read_timeout_s, write=30.0, pool=5.0)
         inst.inflight += 1
         label = "".join(s.value[0].upper() for s in sreq.stages)
         outcome = "error"
-        body = sreq.model_dump_json()
+        body: str | AsyncIterator[bytes] = sreq.model_dump_json() if content is None else content
         waits = waits or WaitClock()
         waiting = False
         first = True
@@ -86,7 +86,7 @@ class StageClient:
         try:
             waits.begin()
             waiting = True
-            async with self.client.stream("POST", f"{inst.url}/internal/run", content=body,
+            async with self.client.stream("POST", f"{inst.url}{path}", content=body,
                                           headers={"content-type": "application/json"},
                                           timeout=timeout, extensions={"trace": trace}) as resp:
                 self.metrics.hop_phase_seconds.labels("headers").observe(time.monotonic() - started)
@@ -141,24 +141,6 @@ class StageClient:
                 waits.end()
             inst.inflight -= 1
             self.metrics.hop_seconds.labels(label, outcome).observe(time.monotonic() - started)
-
-    async def precopy(self, inst: Instance, body: PrecopyRequest, timeout_s: float) -> PrecopyReply:
-        """POST /internal/precopy: `inst` pulls a moving decode's full KV blocks ahead of its
-        hand-over. Any failure is a StageFailure (the hand-over then pulls every block)."""
-        try:
-            resp = await self.client.post(f"{inst.url}/internal/precopy", content=body.model_dump_json(),
-                                          headers={"content-type": "application/json"}, timeout=timeout_s)
-        except httpx.HTTPError as exc:
-            raise StageFailure(inst, f"{inst.url} pre-copy failed: {type(exc).__name__}: {exc}",
-                               stage=Stage.DECODE) from exc
-        if resp.status_code != 200:
-            raise StageFailure(inst, f"{inst.url} refused the pre-copy ({resp.status_code}): {resp.text[:200]}",
-                               status=503 if resp.status_code in (429, 503) else 502, stage=Stage.DECODE)
-        try:
-            return PrecopyReply.model_validate_json(resp.content)
-        except ValidationError as exc:
-            raise StageFailure(inst, f"{inst.url} answered the pre-copy with no reply: {exc.error_count()} error(s)",
-                               stage=Stage.DECODE) from exc
 
     def abort_later(self, urls: Iterable[str], request_ids: Iterable[str], timeout_s: float) -> None:
         """`abort` in the background (a caller that goes on need not wait for a dead instance)."""

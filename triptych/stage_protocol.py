@@ -209,28 +209,15 @@ class MigratingEvent(BaseModel):
 class PrecopyEvent(BaseModel):
     """Live-migration pre-copy (a role switch or a drain about to move this decode): the
     instance still decodes the stream, and offers the KV blocks already full (they never
-    change again) under a lease. The router has another decode instance pull them ahead
-    (`POST /internal/precopy`); the `migrating` event that follows hands over all blocks,
-    and that instance pulls only those it does not hold yet (the last, partial ones)."""
+    change again) under a lease. The router opens the decode's next hop at once
+    (`POST /internal/takeover`: its first NDJSON line is the hop's `StageRequest` with this
+    `kv` as kv_source, which the instance pre-copies into its prefix cache); the hand-over
+    of the `migrating` event that follows goes as the second line, on the open connection,
+    and the instance pulls only the blocks it does not hold yet (the last, partial ones)."""
 
     type: Literal["precopy"] = "precopy"
     kv: KVSource  # the full blocks: num_tokens is a multiple of the block size
     index: int = 0  # the choice (n > 1)
-
-
-class PrecopyRequest(BaseModel):
-    """Pull a running decode's full KV blocks into this decode instance's prefix cache
-    ahead of its hand-over (the prompt and `kv.generated` name them), and confirm."""
-
-    request_id: str
-    prompt_token_ids: list[int] = Field(min_length=1)
-    mm_items: list[MMItemSpec] = []
-    kv: KVSource
-
-
-class PrecopyReply(BaseModel):
-    pulled_blocks: int  # blocks read from the source
-    held_blocks: int  # blocks this instance's prefix cache held already (not pulled)
 
 
 class FinishedEvent(BaseModel):

@@ -24,8 +24,6 @@ from triptych.stage_protocol import (
     FinishedEvent,
     MigratingEvent,
     PrecopyEvent,
-    PrecopyReply,
-    PrecopyRequest,
     PrefilledEvent,
     StageRequest,
     TokenLogprob,
@@ -37,7 +35,7 @@ from triptych.worker.admission import decode_payload, vision_inputs
 from triptych.worker.engine.request import PrefilledKV, Request, RequestOutput, RequestValidationError
 from triptych.worker.errors import NotServingError, engine_failure_status, http_status
 
-__all__ = ["engine_failure_status", "events_for", "precopy", "prepare", "stream"]
+__all__ = ["engine_failure_status", "events_for", "prepare", "stream"]
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import observe_stages
 from triptych.worker.migration import MigrationService
@@ -59,22 +57,6 @@ async def prepare(inst: InstanceRuntime, sreq: StageRequest) -> tuple[Request, l
         return await _pull_inputs(inst, engine, migration, sreq)
     finally:
         inst.preparing -= 1
-
-
-async def precopy(inst: InstanceRuntime, body: PrecopyRequest) -> PrecopyReply:
-    """Pull a running decode's full KV blocks into this decode instance's prefix cache
-    ahead of its hand-over (live-migration pre-copy; MigrationService.precopy_kv)."""
-    engine, migration = inst.engine, inst.migration
-    if engine is None or migration is None or inst.draining or inst.switching:
-        raise NotServingError(f"instance {inst.settings.instance_id} is {inst.status}; not accepting work")
-    if not engine.role.runs(Stage.DECODE):
-        raise NotServingError(f"instance role {engine.role.value} does not run stage decode")
-    inst.preparing += 1  # a switch waits for it: the blocks it fills are this role's cache's
-    try:
-        pulled, held = await migration.precopy_kv(body.kv, body.prompt_token_ids, body.mm_items)
-    finally:
-        inst.preparing -= 1
-    return PrecopyReply(pulled_blocks=pulled, held_blocks=held)
 
 
 async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationService,

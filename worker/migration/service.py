@@ -255,8 +255,10 @@ class MigrationService:
         The decode's hand-over then finds them (`pull_kv` with the same tokens) and pulls
         only the rest. Returns (blocks pulled, blocks already held)."""
         tokens = [*token_ids, *src.generated]
-        if not self.store.kv_block_hashes(tokens, mm_items, src.num_tokens):
-            raise BadHandleError("a pre-copy needs a prefix cache on the target")
+        if not self.store.kv_block_hashes(tokens, mm_items, src.num_tokens):  # no prefix cache here
+            handle = _parse(src.handle)
+            await self._pull(handle.model_copy(update={"block_ids": []}), "kv", [], "pd")  # confirm only
+            return 0, 0
         # Shielded: a cancelled caller (the router gave up) must not free blocks a transfer
         # thread is still writing.
         block_ids, held = await asyncio.shield(self._pull_kv(src, tokens, mm_items))
