@@ -45,6 +45,10 @@ class InstanceRuntime:
         # was pulled (seconds from the switch's start; None while one is pending).
         self.last_switch: dict[str, Any] = {}
         self._handover_task: asyncio.Task[None] | None = None
+        # Migration services (and their transfer agents) of caches a switch dropped while
+        # hand-overs in them were still to be pulled (`_retire`): their leases stay live.
+        self._retired: list[MigrationService] = []
+        self._retiring: set[asyncio.Task[None]] = set()
         # Image decode and preprocessing run here, never on the event loop (admission.py).
         self.decode_pool = DecodePool(settings.decode_threads, settings.decode_queue)
 
@@ -213,7 +217,8 @@ class InstanceRuntime:
             engine = self.engine
             deadline = time.monotonic() + self.settings.lease_seconds + self.settings.drain_timeout_s
             while engine is self.engine and engine is not None and time.monotonic() < deadline:
-                if not set(pending) & set(engine.request_ids()):
+                if not set(pending) & set(engine.request_ids()) and not any(
+                        m.leases.outstanding() for m in self._retired):
                     record["handover_s"] = round(time.monotonic() - started, 6)
                     return
                 await asyncio.sleep(0.005)
@@ -225,14 +230,39 @@ class InstanceRuntime:
         assert self.engine is not None and self.transfer is not None and self.migration is not None
         changed = await asyncio.to_thread(self.engine.set_role, role)
         if changed.caches_dropped:  # a registered region's memory goes: a fresh transfer agent
-            self.migration.stop()
-            self.transfer.close()
+            self._retire(self.transfer, self.migration)
             self.transfer, self.migration = await asyncio.to_thread(self._wire_transfer, self.engine, role)
             self.migration.start()
             return
         for region, cache in (("kv", self.engine.kv), ("mm", self.engine.mm)):
             if f"{region}_cache" in changed.loaded and cache is not None:
                 self.transfer.register(region, cache.tensor)
+
+    def _retire(self, transfer: TransferEngine, migration: MigrationService) -> None:
+        """Let go of a transfer agent and migration service whose caches the engine dropped.
+        Hand-overs still under their leases (decodes and prefills detached by set_role) keep
+        being pulled from the dropped cache — its tensor lives on in the agent's
+        registration — so the switch does not wait for them; once the last lease is
+        confirmed or expires, the agent is closed and the cache's memory goes with it."""
+        if not migration.leases.outstanding():
+            migration.stop()
+            transfer.close()
+            return
+        self._retired.append(migration)
+
+        async def close_when_released() -> None:
+            try:
+                while migration.leases.outstanding():
+                    await asyncio.sleep(0.01)
+            finally:
+                migration.stop()
+                transfer.close()
+                self._retired.remove(migration)
+                log.info("instance %s: the dropped cache's last hand-over was pulled; freed", self.settings.instance_id)
+
+        task = asyncio.create_task(close_when_released())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     def begin_drain(self) -> bool:
         """A shutdown signal: stop taking work (worker/draining.py); an instance with no
@@ -252,11 +282,15 @@ class InstanceRuntime:
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while (self.inflight or self.leases_outstanding()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.migration is not None and self.leases_outstanding():
+        if self.leases_outstanding():
             log.warning("drain timed out with %d leases outstanding; freeing them", self.leases_outstanding())
-            self.migration.free_all()
+            for migration in [self.migration, *self._retired]:
+                if migration is not None:
+                    migration.free_all()
 
     def teardown(self) -> None:
+        for task in list(self._retiring):  # their `finally` closes the retired agents
+            task.cancel()
         if self.migration is not None:
             self.migration.stop()
             self.migration = None
@@ -272,8 +306,9 @@ class InstanceRuntime:
         withdrawn (its leases released now, not at expiry)."""
         if self.engine is not None:
             self.engine.abort(request_id)
-        if self.migration is not None:
-            self.migration.cancel(request_id)
+        for migration in [self.migration, *self._retired]:
+            if migration is not None:
+                migration.cancel(request_id)
 
     # -- views -------------------------------------------------------------------------
     @property
@@ -291,7 +326,9 @@ class InstanceRuntime:
         return self.transfer.transport if self.transfer is not None else None
 
     def leases_outstanding(self) -> int:
-        return self.migration.leases.outstanding() if self.migration is not None else 0
+        """Leases of this role's migration service and of any a switch retired (`_retire`)."""
+        current = self.migration.leases.outstanding() if self.migration is not None else 0
+        return current + sum(m.leases.outstanding() for m in self._retired)
 
     def load(self) -> float:
         if self.engine is None:

@@ -29,7 +29,7 @@ class WorkerSettings(BaseModel):
     drain_timeout_s: float = 60.0
     # Live-migration pre-copy (a switch or drain moving decodes): how long the decodes go on
     # here while their new instance pulls their full KV blocks; 0 moves them whole at once.
-    precopy_timeout_s: float = 1.0
+    precopy_timeout_s: float = 0.5
     compile_decode: bool = False  # EngineConfig.compile_decode
     decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
     # Image jobs (one or two per stage run with images) running or queued before stage runs

@@ -124,8 +124,17 @@ class Engine(PulledBlocks):
             # its KV cache (P <-> D), in the same blocks, released on confirm or expiry.
             parked = dict(self.scheduler.parked)
             held = len(self._requests.keys() - parked.keys())
-            if held or self.scheduler.has_work or (parked and not role.needs_language):
+            if held or self.scheduler.has_work:
                 raise RuntimeError(f"set_role needs an idle engine; {len(self._requests)} request(s) held")
+            if not role.needs_language:
+                # The KV cache goes: its parked hand-overs are detached from the engine (their
+                # blocks go back to that cache, which nothing allocates from again); their
+                # pulls read the dropped cache through the old transfer agent, kept until its
+                # last lease is released (InstanceRuntime._retire), and their release is a no-op.
+                for request_id, req in list(parked.items()):
+                    if req.handoff is not None and req.handoff.stage != Stage.ENCODE:
+                        self.output.finish(req, None)
+                        del parked[request_id]
             changed = change_parts(self, role)
             self.role = self.config.role = role
             self.migrating_out = False
