@@ -242,3 +242,27 @@ def test_a_change_that_drops_the_kv_cache_detaches_its_parked_decodes(qwen2_vl_d
     e.release("m")  # the lease's release once pulled: nothing left to do
     e.step()
     assert e.request_ids() == []
+
+
+def test_a_takeover_without_its_hand_over_is_refused_and_holds_nothing(qwen2_vl_dir: Path) -> None:
+    """The router closes a takeover whose decode ended at its source (or whose client left)
+    after the first line: the instance answers 400 and holds no block and no lease — also
+    when the pre-copy itself failed (here: a handle that is no handle)."""
+    from fastapi.testclient import TestClient
+
+    from triptych.stage_protocol import StageRequest
+    from triptych.worker.auth import WorkerAuth
+    from triptych.worker.server import create_app
+    from triptych.worker.settings import WorkerSettings
+
+    settings = WorkerSettings(model=str(qwen2_vl_dir), role="D", instance_id="d-take", num_kv_blocks=32,
+                              block_size=8)
+    sreq = StageRequest(request_id="r.t1", stages=[Stage.DECODE], prompt_token_ids=list(range(20, 40)),
+                        kv_source=KVSource(handle={"not": "a handle"}, num_tokens=16, first_token=5))
+    with TestClient(create_app(settings, WorkerAuth.open())) as client:
+        r = client.post("/internal/takeover", content=sreq.model_dump_json() + "\n")
+        assert r.status_code == 400 and "no hand-over" in r.json()["error"]["message"]
+        r = client.post("/internal/takeover", content="{not json\n")
+        assert r.status_code == 400
+        stats = client.get("/admin/stats").json()
+    assert stats["kv_cache"]["used"] == 0 and stats["leases_outstanding"] == 0 and stats["num_running"] == 0
