@@ -89,6 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "parallel_vision": not getattr(args, "no_parallel_vision", False),
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
+        "precopy_timeout_s": getattr(args, "precopy_timeout", 0.5),
         "decode_threads": getattr(args, "decode_threads", 2),
         "video_decoder": getattr(args, "video_decoder", "auto"),
         "compile_decode": getattr(args, "compile_decode", False)})
