@@ -282,7 +282,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-mm-blocks", type=int, default=None)
     p.add_argument("--transfer-require", choices=("any", "nixl"), default="any")
     p.add_argument("--lease-seconds", type=float, default=30.0)
-    p.add_argument("--precopy-timeout", type=float, default=0.5,
+    p.add_argument("--precopy-timeout", type=float, default=0.25,
                    help="a switch or drain moving decodes lets them run this long while their new instances "
                         "pre-copy their full KV blocks (live migration); 0: move them whole at once")
     p.add_argument("--threads", type=int, default=None)
