@@ -16,7 +16,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -24,12 +24,13 @@ from prometheus_client import CollectorRegistry
 
 from triptych.router.affinity import AffinityIndex, PrefixIndex
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
-from triptych.router.overhead import WaitClock, record_first_token
-from triptych.router.registry import Instance, Registry
+from triptych.router.decode_chain import DecodeChain, finished
+from triptych.router.orchestrator_config import ENCODE_ID_SUFFIX, Footprint, OrchestratorConfig, hop_deadline
+from triptych.router.overhead import record_first_token
+from triptych.router.registry import Registry
 from triptych.router.relay import Relay, first_tokens
 from triptych.router.routing import (
     Chooser,
-    Decision,
     EncodeRun,
     NoInstanceError,
     Plan,
@@ -39,6 +40,7 @@ from triptych.router.routing import (
 )
 from triptych.router.routing_metrics import RoutingMetrics
 from triptych.router.stage_client import StageClient, StageFailure
+from triptych.router.takeover import Takeover
 from triptych.router.video_decode import VideoDispatcher
 from triptych.stage_protocol import (
     EncodedEvent,
@@ -46,6 +48,7 @@ from triptych.stage_protocol import (
     KVSource,
     MMItemSpec,
     MMSource,
+    PrecopyEvent,
     PrefilledEvent,
     StageRequest,
     VideoPart,
@@ -53,51 +56,6 @@ from triptych.stage_protocol import (
 from triptych.topology import Stage
 
 log = logging.getLogger("triptych.router.orchestrator")
-
-# Encode-only runs go by their own id on the worker: the same instance may run a later hop
-# of the request (an ED instance decodes what it encoded) while the encode run is still
-# parked until its lease is released, and a worker's engine keys requests by id.
-ENCODE_ID_SUFFIX = ".encode"
-
-@dataclass
-class OrchestratorConfig:
-    stage_timeout_s: float = 60.0  # longest silence allowed on a stage stream
-    max_attempts: int = 3  # tries of the pre-first-token part of a request
-    parallel_encode: bool = True  # EPDServe §3.2.2 intra-request parallelism
-    cache_affinity: bool = True  # send an image to the instance whose MM cache holds it
-    affinity_entries: int = 4096  # image hashes remembered (an LRU; a stale entry only costs an encode)
-    prefix_routing: bool = True  # prefill where the prompt's prefix is likely cached (routing.PrefixRouting)
-    prefix_weight: float = 8.0  # queued requests a whole-prompt cache hit is worth
-    prefix_min_tokens: int = 64  # shorter hits (a chat template's header) leave the choice to the policy
-    prefix_entries: int = 1 << 18  # prompt block hashes remembered (an LRU; a stale one costs a prefill)
-    abort_timeout_s: float = 2.0
-    per_token_timeout_s: float = 1.0  # a decode hop's deadline grows with max_tokens
-    max_inflight: int = 512  # requests in flight before new ones get 429
-    max_instance_load: float | None = None  # 429 when every first-stage instance reports more queued work
-    retry_after_s: float = 1.0
-    max_decode_hops: int = 8  # times one decode may migrate to another instance
-    # With a KV in hand (its source holds it under a lease) and no decode instance taking
-    # it — all switching, refusing, or unseen by the registry for a moment — wait this
-    # long for one before failing the request.
-    decode_wait_s: float = 10.0
-    # A request planned while every instance of a stage it needs is mid-switch (the only P
-    # or D changing role) waits this long — never past stage_timeout_s — for one to come
-    # back, instead of a 503; with none switching, the 503 is at once.
-    plan_wait_s: float = 10.0
-
-
-@dataclass
-class Footprint:
-    """Where a request has been: every instance a call went to, and the request's id of
-    each attempt (an encode-only run used that id + ENCODE_ID_SUFFIX). Aborts go to all."""
-
-    urls: set[str] = field(default_factory=set)
-    ids: list[str] = field(default_factory=list)
-    waits: WaitClock = field(default_factory=WaitClock)  # time spent waiting on workers (overhead.py)
-
-    def abort_ids(self) -> list[str]:
-        return [i + suffix for i in self.ids for suffix in ("", ENCODE_ID_SUFFIX)]
-
 
 class Orchestrator:
     def __init__(self, registry: Registry, client: httpx.AsyncClient, chooser: Chooser | None = None,
@@ -113,6 +71,7 @@ class Orchestrator:
         self.prefixes = PrefixIndex(self.config.prefix_entries)
         self.metrics = RoutingMetrics(metrics_registry, registry)
         self.stages = StageClient(client, self.metrics)
+        self.decoding = DecodeChain(registry, self.chooser, self.stages, self.metrics, self.config)
         self.inflight = 0
 
     # -- Backend protocol -------------------------------------------------------------
@@ -236,16 +195,8 @@ class Orchestrator:
             prefix.remember(next(hop.instance for hop in plan.hops if Stage.PREFILL in hop.stages))
         return plan
 
-    def _deadline(self, stages: Sequence[Stage], req: GenerationRequest) -> float:
-        """The worker-side deadline of one hop: a stage's budget, plus time per token to
-        decode (silence is caught sooner, by the stream's read timeout)."""
-        budget = self.config.stage_timeout_s
-        if Stage.DECODE in stages:
-            budget += req.sampling.max_tokens * self.config.per_token_timeout_s
-        return budget
-
     def _decide(self, stage: Stage, outcome: str) -> None:
-        self.metrics.decided([Decision(stage, self.chooser.policy_for(stage).value, outcome)])
+        self.decoding.decide(stage, outcome)
 
     async def _carry_out(self, req: GenerationRequest, plan: Plan, footprint: Footprint
                          ) -> AsyncIterator[TokenEvent]:
@@ -267,7 +218,7 @@ class Orchestrator:
         kv_source: KVSource | None = None
         for hop in plan.hops:
             if kv_source is not None and list(hop.stages) == [Stage.DECODE]:
-                async for event in self._decode(req, kv_source, mm_items, footprint, first=hop.instance):
+                async for event in self.decoding.decode(req, kv_source, mm_items, footprint, first=hop.instance):
                     yield event
                 return
             sreq = StageRequest(
@@ -276,46 +227,40 @@ class Orchestrator:
                 images={h: images[h] for h in hop.images if h in images},
                 mm_sources=mm_sources if Stage.PREFILL in hop.stages else [],
                 kv_source=kv_source, sampling=req.sampling, grammar=req.grammar,
-                timeout_s=self._deadline(hop.stages, req),
+                timeout_s=hop_deadline(self.config, hop.stages, req),
             )
             footprint.urls.add(hop.instance.url)
             kv_source = None
             relay = Relay(req.sampling.n)
-            async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
-                async for event in events:
-                    if isinstance(event, PrefilledEvent):
-                        kv_source = event.kv
-                        for token_event in first_tokens(event.kv):
-                            yield token_event
-                    elif isinstance(event, FinishedEvent):
-                        yield self._finished(hop.instance, event, hop.stages[-1])
-                        if relay.finish():
-                            return
-                    else:
-                        for token_event in relay.tokens(event):
-                            yield token_event
-            if relay.migrated:
-                async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
-                                                           {hop.instance.url}):
-                    yield event
-                return
+            takeover: Takeover | None = None  # the decode's next hop, if it is to move (a pre-copy)
+            try:
+                async with aclosing(self.stages.run(hop.instance, sreq, self.config.stage_timeout_s,
+                                                    footprint.waits)) as events:
+                    async for event in events:
+                        if isinstance(event, PrecopyEvent):
+                            takeover = self.decoding.takeover(req, event, mm_items, {hop.instance.url}, footprint, takeover)
+                        elif isinstance(event, PrefilledEvent):
+                            kv_source = event.kv
+                            for token_event in first_tokens(event.kv):
+                                yield token_event
+                        elif isinstance(event, FinishedEvent):
+                            yield finished(hop.instance, event, hop.stages[-1])
+                            if relay.finish():
+                                return
+                        else:
+                            for token_event in relay.tokens(event):
+                                yield token_event
+                if relay.migrated:
+                    moving, takeover = takeover, None  # _decode owns it from here
+                    async for event in self.decoding.continue_migrated(req, relay.migrated, mm_items, footprint,
+                                                               {hop.instance.url}, takeover=moving):
+                        yield event
+                    return
+            finally:
+                if takeover is not None:
+                    takeover.close()
             if kv_source is None:
                 raise StageFailure(hop.instance, f"{hop.instance.url} ended {list(hop.stages)} without a hand-over")
-
-    async def _continue_migrated(self, req: GenerationRequest, migrated: dict[int, KVSource],
-                                 mm_items: list[MMItemSpec], footprint: Footprint, exclude: set[str],
-                                 moves: int = 0) -> AsyncIterator[TokenEvent]:
-        """Decodes migrated off an instance go on elsewhere (`_decode`: its bounded wait for a
-        decode instance, its hop bound counted from `moves`). With n > 1 each choice goes on
-        as a request of its own (its own seed stream), one after the other."""
-        if req.sampling.n == 1:
-            async for event in self._decode(req, migrated[0], mm_items, footprint, exclude=exclude, moves=moves):
-                yield event
-            return
-        for index, kv in sorted(migrated.items()):
-            choice = replace(req, request_id=f"{req.request_id}.c{index}", sampling=req.sampling.for_choice(index))
-            async for event in self._decode(choice, kv, mm_items, footprint, exclude=exclude, moves=moves):
-                yield replace(event, index=index)
 
     async def _decode_videos(self, req: GenerationRequest, plan: Plan, mm_items: list[MMItemSpec],
                              footprint: Footprint) -> dict[str, list[VideoPart]]:
@@ -333,90 +278,6 @@ class Orchestrator:
         decoded = await asyncio.gather(*(self.videos.decode(req.request_id, data, item, list(plan.decoders))
                                          for item, data in videos.values()))
         return dict(zip(videos, decoded, strict=True))
-
-    @staticmethod
-    def _finished(inst: Instance, event: FinishedEvent, stage: Stage) -> TokenEvent:
-        if event.finish_reason == "abort":  # the instance dropped it: never a 200
-            raise StageFailure(inst, f"{inst.url} aborted the request", stage=stage)
-        return TokenEvent(token_ids=[], finish_reason=event.finish_reason, index=event.index)
-
-    async def _decode(self, req: GenerationRequest, kv: KVSource, mm_items: list[MMItemSpec],
-                      footprint: Footprint, first: Instance | None = None,
-                      exclude: set[str] | None = None, moves: int = 0) -> AsyncIterator[TokenEvent]:
-        """Decode from a KV cache another instance offers: a prefill's hand-over, or a
-        decode migrated mid-stream (EPDServe §3.2.4 role switching, or a drain). A decode
-        instance that refuses before its first event (503: switching, draining, full) is
-        passed over for another with the same KV; one that migrates the decode on hands a
-        new KV, and the stream goes on there. Tokens append to the same client stream."""
-        excluded = set(exclude or ())  # instances the decode left: never back there
-        refused: set[str] = set()  # 503s: passed over, tried again once nothing else takes it
-        target, request_id, attempt = first, req.request_id, 0
-        deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
-        while True:
-            attempt += 1
-            if target is None:
-                target = await self._decode_target(excluded, refused, deadline)
-                request_id = f"{req.request_id}.d{attempt}"  # the old instance may still hold the old id
-                footprint.ids.append(request_id)
-            footprint.urls.add(target.url)
-            sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
-                                mm_items=mm_items, kv_source=kv, sampling=req.sampling, grammar=req.grammar,
-                                timeout_s=self._deadline([Stage.DECODE], req))
-            received = False
-            relay = Relay(req.sampling.n)
-            try:
-                async with aclosing(self.stages.run(target, sreq, self.config.stage_timeout_s, footprint.waits)) as events:
-                    async for event in events:
-                        received = True
-                        if isinstance(event, FinishedEvent):
-                            yield self._finished(target, event, Stage.DECODE)
-                            if relay.finish():
-                                return
-                        else:
-                            for token_event in relay.tokens(event):
-                                yield token_event
-            except StageFailure as failure:
-                if received or failure.status != 503:
-                    raise
-                log.info("request %s: %s refused the decode (%s); trying another", req.request_id,
-                         target.url, failure)
-                self._decide(Stage.DECODE, "retried")
-                refused.add(target.url)
-            else:
-                if not relay.migrated:
-                    raise StageFailure(target, f"{target.url} ended the decode without finishing it",
-                                       stage=Stage.DECODE)
-                moves += 1
-                if moves > self.config.max_decode_hops:
-                    raise StageFailure(target, f"decode moved more than {self.config.max_decode_hops} times",
-                                       stage=Stage.DECODE)
-                excluded.add(target.url)
-                log.info("request %s: decode migrated off %s", req.request_id, target.url)
-                if req.sampling.n > 1:  # each migrated choice goes on by itself
-                    async for event in self._continue_migrated(req, relay.migrated, mm_items, footprint,
-                                                               excluded, moves):
-                        yield event
-                    return
-                kv = relay.migrated[0]
-                deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
-            target = None
-
-    async def _decode_target(self, excluded: set[str], refused: set[str], deadline: float) -> Instance:
-        """A decode instance for a KV in hand: one that has not refused it, else (after a
-        pause) one that refused it before — a switch or a full queue passes. Until
-        `deadline`, waiting is safe: the KV's source holds it under its lease."""
-        loop, pause = asyncio.get_running_loop(), 0.02
-        while True:
-            candidates = self.registry.capable(Stage.DECODE, excluded | refused)
-            if candidates:
-                return self.chooser.choose(Stage.DECODE, candidates)
-            if loop.time() + pause > deadline:
-                self._decide(Stage.DECODE, "no_instance")
-                raise BackendError(503, "no decode instance to continue the request on",
-                                   retry_after=self.config.retry_after_s)
-            await self.registry.wait_for_change(pause)  # an instance back in rotation ends it early
-            pause = min(pause * 2, 0.5)
-            refused.clear()
 
     async def _encode_only(self, req: GenerationRequest, run: EncodeRun, images: dict[str, bytes],
                            mm_items: list[MMItemSpec], footprint: Footprint) -> list[MMSource]:

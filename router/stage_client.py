@@ -70,15 +70,20 @@ class StageClient:
         self._tasks: set[asyncio.Task[None]] = set()  # background work (aborts, drains), held until done
 
     async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float,
-                  waits: WaitClock | None = None) -> AsyncIterator[StageEvent]:
+                  waits: WaitClock | None = None, *, path: str = "/internal/run",
+                  content: AsyncIterator[bytes] | None = None) -> AsyncIterator[StageEvent]:
         """POST /internal/run and yield its events (never an `error` one: those raise).
         `read_timeout_s` bounds each silence on the stream. `waits` counts the time spent
-        waiting on the worker (not the time the caller spends between events)."""
+        waiting on the worker (not the time the caller spends between events). A takeover
+        (router/takeover.py) posts to `path` a body streamed from `content` instead."""
         timeout = httpx.Timeout(connect=5.0, read=read_timeout_s, write=30.0, pool=5.0)
         inst.inflight += 1
         label = "".join(s.value[0].upper() for s in sreq.stages)
         outcome = "error"
-        body = encode_stage_request(sreq)
+        # A stage request goes as the stage frame (raw bytes for its images); a takeover's
+        # body is the NDJSON lines router/takeover.py streams.
+        body: bytes | AsyncIterator[bytes] = encode_stage_request(sreq) if content is None else content
+        content_type = STAGE_FRAME_TYPE if content is None else "application/x-ndjson"
         waits = waits or WaitClock()
         waiting = False
         first = True
@@ -89,8 +94,8 @@ class StageClient:
         try:
             waits.begin()
             waiting = True
-            request = self.client.build_request("POST", f"{inst.url}/internal/run", content=body,
-                                                headers={"content-type": STAGE_FRAME_TYPE},
+            request = self.client.build_request("POST", f"{inst.url}{path}", content=body,
+                                                headers={"content-type": content_type},
                                                 timeout=timeout, extensions={"trace": trace})
             resp = await self.client.send(request, stream=True)
             self.metrics.hop_phase("headers", time.monotonic() - started)

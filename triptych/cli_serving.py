@@ -49,6 +49,9 @@ def add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-mm-blocks", type=int, default=None)
     add_transfer_require(p)
     p.add_argument("--lease-seconds", type=float, default=30.0)
+    p.add_argument("--precopy-timeout", type=float, default=0.25,
+                   help="a switch or drain moving decodes lets them run this long while their new instances "
+                        "pre-copy their full KV blocks (live migration); 0: move them whole at once")
     add_threads(p)
     add_compile_decode(p, "torch.compile the LM's norms and SiLU gate (falls back to eager if compiling fails)")
     p.add_argument("--decode-threads", type=int, default=2,

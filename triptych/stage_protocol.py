@@ -318,6 +318,20 @@ class MigratingEvent(BaseModel):
     index: int = 0  # the choice (n > 1)
 
 
+class PrecopyEvent(BaseModel):
+    """Live-migration pre-copy (a role switch or a drain about to move this decode): the
+    instance still decodes the stream, and offers the KV blocks already full (they never
+    change again) under a lease. The router opens the decode's next hop at once
+    (`POST /internal/takeover`: its first NDJSON line is the hop's `StageRequest` with this
+    `kv` as kv_source, which the instance pre-copies into its prefix cache); the hand-over
+    of the `migrating` event that follows goes as the second line, on the open connection,
+    and the instance pulls only the blocks it does not hold yet (the last, partial ones)."""
+
+    type: Literal["precopy"] = "precopy"
+    kv: KVSource  # the full blocks: num_tokens is a multiple of the block size
+    index: int = 0  # the choice (n > 1)
+
+
 class FinishedEvent(BaseModel):
     type: Literal["finished"] = "finished"
     finish_reason: Literal["stop", "length", "abort"]
@@ -334,7 +348,8 @@ class ErrorEvent(BaseModel):
 # One line of a `/internal/run` answer: the `type` field says which event it is. Each
 # event is written as its own model's JSON (`event.model_dump_json()`), so the union
 # changes nothing on the wire; readers parse a line with `parse_stage_event`.
-StageEvent = Annotated[EncodedEvent | TokensEvent | PrefilledEvent | MigratingEvent | FinishedEvent | ErrorEvent,
+StageEvent = Annotated[EncodedEvent | TokensEvent | PrefilledEvent | MigratingEvent | PrecopyEvent | FinishedEvent
+                       | ErrorEvent,
                        Field(discriminator="type")]
 STAGE_EVENT = TypeAdapter(StageEvent)
 

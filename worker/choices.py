@@ -194,7 +194,7 @@ async def _merge(inst: InstanceRuntime, children: list[tuple[int, StageRequest, 
         skip = 1
         try:
             async for out in engine.generate(req, timeout_s=child.timeout_s):
-                for event in stage_run.events_for(migration, child, out, skip, req):
+                for event in stage_run.events_for(migration, child, out, skip, req, engine, precopy=False):
                     if isinstance(event, TokensEvent | FinishedEvent | MigratingEvent):
                         event.index = index
                     queue.put_nowait(event)

@@ -45,6 +45,10 @@ class InstanceRuntime:
         # was pulled (seconds from the switch's start; None while one is pending).
         self.last_switch: dict[str, Any] = {}
         self._handover_task: asyncio.Task[None] | None = None
+        # Migration services (and their transfer agents) of caches a switch dropped while
+        # hand-overs in them were still to be pulled (`_retire`): their leases stay live.
+        self._retired: list[MigrationService] = []
+        self._retiring: set[asyncio.Task[None]] = set()
         # Image decode and preprocessing run here, never on the event loop (admission.py).
         self.decode_pool = DecodePool(settings.decode_threads, settings.decode_queue)
 
@@ -96,7 +100,7 @@ class InstanceRuntime:
                 # embeddings) need not be pulled before the new role serves; they stay under
                 # their leases and are released on confirm or expiry (`_follow_handover`).
                 keep_parked = keeps_handovers(self.engine, InstanceType(role))
-                await self._offload()
+                precopy_s = await self._offload()
                 offloaded = time.monotonic()
                 moved = await self._migrate(keep_parked)
                 migrated = time.monotonic()
@@ -106,9 +110,9 @@ class InstanceRuntime:
                 self.role = role
                 self._follow_handover(pending, moved, started, migrated)
                 log.info("instance %s now serves role %s (in place)", self.settings.instance_id, role)
-                return {**_report(offloaded - started, migrated - offloaded, time.monotonic() - migrated,
+                return {**_report(offloaded - started - precopy_s, migrated - offloaded, time.monotonic() - migrated,
                                   after["migrated_out"] - before["migrated_out"],
-                                  after["handed_back"] - before["handed_back"]),
+                                  after["handed_back"] - before["handed_back"], precopy_s),
                         "handover_pending": len(pending)}
             finally:
                 self.switching, self.target_role = False, None
@@ -130,15 +134,44 @@ class InstanceRuntime:
         log.info("instance %s now serves role %s", self.settings.instance_id, role)
         return _report(0.0, drained - started, time.monotonic() - drained, 0, 0)
 
-    async def _offload(self) -> None:
+    async def _offload(self) -> float:
         """Hand back queued requests (their runs end with a retriable 503 before their first
-        token) and start migrating decodes out; returns once the engine has done both."""
+        token) and start migrating decodes out; returns once the engine has done both, and
+        the seconds the decodes' pre-copy took (`_precopy`)."""
         engine = self.engine
         assert engine is not None
-        engine.offload(migrate=engine.role.runs(Stage.DECODE))
+        decodes = engine.role.runs(Stage.DECODE)
+        precopy_s = await self._precopy() if decodes else 0.0
+        engine.offload(migrate=decodes)
+        await self._inbox_taken(engine)
+        return precopy_s
+
+    async def _inbox_taken(self, engine: Engine) -> None:
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while engine.has_pending_inbox and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
+
+    async def _precopy(self) -> float:
+        """Live migration's pre-copy (Clark et al., "Live Migration of Virtual Machines",
+        NSDI '05 §3: iterative pre-copy, then stop-and-copy of what is left): hand back
+        queued work, then every running decode offers its full KV blocks (its stream sends
+        a `precopy` event; the router has the decode's next instance pull them) and keeps
+        decoding here. Returns once every offer was pulled — or `precopy_timeout_s` passed
+        (a slow or failed target: the hand-over then pulls what it lacks) — in seconds.
+        The hand-over that follows moves only the blocks filled since (the last, partial
+        one), so a moved stream pauses for a small pull, not for all of its KV."""
+        engine, migration = self.engine, self.migration
+        timeout = self.settings.precopy_timeout_s
+        if engine is None or migration is None or timeout <= 0:
+            return 0.0
+        started = time.monotonic()
+        engine.offload(migrate=False)
+        engine.precopy()
+        await self._inbox_taken(engine)
+        deadline = started + timeout
+        while (engine.precopies_waiting() or migration.precopies_outstanding()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        return time.monotonic() - started
 
     async def _migrate(self, keep_parked: bool) -> list[str]:
         """Wait until every request has left the engine (prefills finished and handed over,
@@ -184,7 +217,8 @@ class InstanceRuntime:
             engine = self.engine
             deadline = time.monotonic() + self.settings.lease_seconds + self.settings.drain_timeout_s
             while engine is self.engine and engine is not None and time.monotonic() < deadline:
-                if not set(pending) & set(engine.request_ids()):
+                if not set(pending) & set(engine.request_ids()) and not any(
+                        m.leases.outstanding() for m in self._retired):
                     record["handover_s"] = round(time.monotonic() - started, 6)
                     return
                 await asyncio.sleep(0.005)
@@ -196,14 +230,39 @@ class InstanceRuntime:
         assert self.engine is not None and self.transfer is not None and self.migration is not None
         changed = await asyncio.to_thread(self.engine.set_role, role)
         if changed.caches_dropped:  # a registered region's memory goes: a fresh transfer agent
-            self.migration.stop()
-            self.transfer.close()
+            self._retire(self.transfer, self.migration)
             self.transfer, self.migration = await asyncio.to_thread(self._wire_transfer, self.engine, role)
             self.migration.start()
             return
         for region, cache in (("kv", self.engine.kv), ("mm", self.engine.mm)):
             if f"{region}_cache" in changed.loaded and cache is not None:
                 self.transfer.register(region, cache.tensor)
+
+    def _retire(self, transfer: TransferEngine, migration: MigrationService) -> None:
+        """Let go of a transfer agent and migration service whose caches the engine dropped.
+        Hand-overs still under their leases (decodes and prefills detached by set_role) keep
+        being pulled from the dropped cache — its tensor lives on in the agent's
+        registration — so the switch does not wait for them; once the last lease is
+        confirmed or expires, the agent is closed and the cache's memory goes with it."""
+        if not migration.leases.outstanding():
+            migration.stop()
+            transfer.close()
+            return
+        self._retired.append(migration)
+
+        async def close_when_released() -> None:
+            try:
+                while migration.leases.outstanding():
+                    await asyncio.sleep(0.01)
+            finally:
+                migration.stop()
+                transfer.close()
+                self._retired.remove(migration)
+                log.info("instance %s: the dropped cache's last hand-over was pulled; freed", self.settings.instance_id)
+
+        task = asyncio.create_task(close_when_released())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     def begin_drain(self) -> bool:
         """A shutdown signal: stop taking work (worker/draining.py); an instance with no
@@ -218,15 +277,20 @@ class InstanceRuntime:
         free the leases nobody pulled. Running decodes are handed to another decode
         instance (migrated out) rather than waited for."""
         if self.engine is not None and self.engine.role.runs(Stage.DECODE):
+            await self._precopy()
             self.engine.offload(migrate=True)
         deadline = time.monotonic() + self.settings.drain_timeout_s
         while (self.inflight or self.leases_outstanding()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.migration is not None and self.leases_outstanding():
+        if self.leases_outstanding():
             log.warning("drain timed out with %d leases outstanding; freeing them", self.leases_outstanding())
-            self.migration.free_all()
+            for migration in [self.migration, *self._retired]:
+                if migration is not None:
+                    migration.free_all()
 
     def teardown(self) -> None:
+        for task in list(self._retiring):  # their `finally` closes the retired agents
+            task.cancel()
         if self.migration is not None:
             self.migration.stop()
             self.migration = None
@@ -242,8 +306,9 @@ class InstanceRuntime:
         withdrawn (its leases released now, not at expiry)."""
         if self.engine is not None:
             self.engine.abort(request_id)
-        if self.migration is not None:
-            self.migration.cancel(request_id)
+        for migration in [self.migration, *self._retired]:
+            if migration is not None:
+                migration.cancel(request_id)
 
     # -- views -------------------------------------------------------------------------
     @property
@@ -261,7 +326,9 @@ class InstanceRuntime:
         return self.transfer.transport if self.transfer is not None else None
 
     def leases_outstanding(self) -> int:
-        return self.migration.leases.outstanding() if self.migration is not None else 0
+        """Leases of this role's migration service and of any a switch retired (`_retire`)."""
+        current = self.migration.leases.outstanding() if self.migration is not None else 0
+        return current + sum(m.leases.outstanding() for m in self._retired)
 
     def load(self) -> float:
         if self.engine is None:
@@ -281,7 +348,12 @@ class InstanceRuntime:
         return base
 
 
-def _report(offload_s: float, migrate_s: float, onload_s: float, migrated: int, handed_back: int) -> dict[str, Any]:
-    """What `/admin/role` answers: each phase's seconds and what moved."""
-    return {"offload_s": round(offload_s, 6), "migrate_s": round(migrate_s, 6), "onload_s": round(onload_s, 6),
-            "total_s": round(offload_s + migrate_s + onload_s, 6), "migrated": migrated, "handed_back": handed_back}
+def _report(offload_s: float, migrate_s: float, onload_s: float, migrated: int, handed_back: int,
+            precopy_s: float = 0.0) -> dict[str, Any]:
+    """What `/admin/role` answers: each phase's seconds and what moved. `precopy_s` (the
+    moved decodes' pre-copy, while they still decode here) is a part of offload, counted
+    apart: `offload_s` is the rest of it."""
+    total = precopy_s + offload_s + migrate_s + onload_s
+    return {"precopy_s": round(precopy_s, 6), "offload_s": round(offload_s, 6), "migrate_s": round(migrate_s, 6),
+            "onload_s": round(onload_s, 6), "total_s": round(total, 6), "migrated": migrated,
+            "handed_back": handed_back}

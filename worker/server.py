@@ -3,8 +3,8 @@ here: the instance's role lifecycle is instance.py, a stage run (and the migrati
 and offers around it) is stage_run.py, statuses come from errors.py.
 
 Endpoints: `POST /internal/run` runs a contiguous run of a request's stages and streams
-NDJSON events back to the router; `POST /internal/abort/{id}` (both need the internal
-token); `/admin/role`, `/admin/stats`, `/admin/timings` (the admin token; auth.py); `/health`, `/ready`,
+NDJSON events back to the router; `POST /internal/takeover` runs a decode moving here
+mid-stream (pre-copy, then its hand-over; worker/takeover.py); `POST /internal/abort/{id}` (all need the internal token); `/admin/role`, `/admin/stats`, `/admin/timings` (the admin token; auth.py); `/health`, `/ready`,
 `/live`, `/metrics` (open, and free of secrets: no agent metadata, handles or leases).
 """
 
@@ -26,6 +26,7 @@ from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from triptych.stage_protocol import (
     STAGE_FRAME_TYPE,
@@ -37,7 +38,7 @@ from triptych.stage_protocol import (
 )
 from triptych.timings import TIMINGS, TimingsPage
 from triptych.topology import UNASSIGNED, InstanceType
-from triptych.worker import choices
+from triptych.worker import choices, takeover
 from triptych.worker.auth import AuthMiddleware, MissingTokenError, WorkerAuth
 from triptych.worker.draining import DrainingServer
 from triptych.worker.engine.request import RequestValidationError
@@ -141,12 +142,25 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
             return _error(422, f"invalid stage request: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
         except StageFrameError as exc:
             return _error(422, f"invalid stage request frame: {exc}")
+        return await _start(sreq)
+
+    async def _start(sreq: StageRequest) -> Response:
+        """Pull the run's inputs and stream its events (or refuse it)."""
         try:
             req, reserved = await prepare(inst, sreq)
         except _REFUSALS as exc:
             return _error(http_status(exc), str(exc), error_code(exc))
         run_stream = choices.stream if sreq.sampling.n > 1 else stream
         return StreamingResponse(run_stream(inst, sreq, req, reserved), media_type="application/x-ndjson")
+
+    @app.post("/internal/takeover")
+    async def takeover_run(http: HttpRequest) -> Response:
+        # A decode moving here mid-stream (worker/takeover.py): pre-copy, then its hand-over.
+        try:
+            sreq = await takeover.receive(inst, takeover.ndjson_lines(http.stream()))
+        except (BadPayloadError, ClientDisconnect) as exc:
+            return _error(400, f"takeover: {exc}")
+        return await _start(sreq)
 
     @app.post("/internal/abort/{request_id}")
     async def abort(request_id: str) -> dict[str, str]:

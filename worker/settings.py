@@ -27,6 +27,9 @@ class WorkerSettings(BaseModel):
     pull_timeout_s: float = 20.0  # below lease_seconds: the source must not free mid-READ
     lease_margin_s: float = 1.0  # handles' expiry is this much before the source frees
     drain_timeout_s: float = 60.0
+    # Live-migration pre-copy (a switch or drain moving decodes): how long the decodes go on
+    # here while their new instance pulls their full KV blocks; 0 moves them whole at once.
+    precopy_timeout_s: float = 0.25
     compile_decode: bool = False  # EngineConfig.compile_decode
     decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
     # Image jobs (one or two per stage run with images) running or queued before stage runs
@@ -86,6 +89,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "parallel_vision": not getattr(args, "no_parallel_vision", False),
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
+        "precopy_timeout_s": getattr(args, "precopy_timeout", 0.25),
         "decode_threads": getattr(args, "decode_threads", 2),
         "video_decoder": getattr(args, "video_decoder", "auto"),
         "compile_decode": getattr(args, "compile_decode", False)})

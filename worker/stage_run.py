@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -23,6 +24,7 @@ from triptych.stage_protocol import (
     ErrorEvent,
     FinishedEvent,
     MigratingEvent,
+    PrecopyEvent,
     PrefilledEvent,
     StageRequest,
     TokenLogprob,
@@ -73,8 +75,10 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
             src = sreq.kv_source
             # The READ runs in a transfer thread while the request is admitted here (its
             # grammar compiled, its positions computed): the engine takes it the moment its
-            # blocks land. The prompt lets the pull skip blocks the prefix cache holds.
-            pull = asyncio.ensure_future(migration.pull_kv(src, sreq.prompt_token_ids, sreq.mm_items))
+            # blocks land. The tokens let the pull skip blocks this instance's prefix cache
+            # already holds: a shared prompt prefix, or a migrated decode's blocks pre-copied here.
+            pull = asyncio.ensure_future(migration.pull_kv(src, [*sreq.prompt_token_ids, *src.generated],
+                                                           sreq.mm_items))
             await asyncio.sleep(0)  # the pull reserves its blocks and hands the READ to its thread
             prefilled = PrefilledKV(block_ids=[], num_tokens=src.num_tokens, first_token=src.first_token,
                                     generated=list(src.generated))
@@ -188,8 +192,12 @@ def _tokens_event(tokens: list[int], out: RequestOutput) -> TokensEvent:
 
 
 def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int,
-               req: Request | None = None) -> list[BaseModel]:
-    """The stage events of one engine output (`req`: for an n > 1 prefill's other first tokens)."""
+               req: Request | None = None, engine: Any = None, precopy: bool = True) -> list[BaseModel]:
+    """The stage events of one engine output (`req`: for an n > 1 prefill's other first
+    tokens; `engine`: to hold the full KV blocks of a pre-copy, unless not `precopy`)."""
+    if out.precopy:
+        events = events_for(migration, sreq, replace(out, precopy=False), skip, req)
+        return events + _precopy(migration, sreq, engine, precopy)
     if out.error:  # bad input was refused at add_request (400); what fails later is ours
         return [ErrorEvent(status=engine_failure_status(out), message=out.error)]
     handoff = out.handoff
@@ -218,6 +226,22 @@ def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutp
         reason = out.finish_reason.value if out.finish_reason else "abort"
         events.append(FinishedEvent(finish_reason=reason, timings=out.timings or {}))
     return events
+
+
+def _precopy(migration: MigrationService, sreq: StageRequest, engine: Any, allowed: bool) -> list[BaseModel]:
+    """A decode about to be moved offers its full KV blocks for a pre-copy while it goes on
+    here (live migration; the switch waits for the pull before it stops the decode). Not
+    for the choices of an n > 1 request (`allowed` False: they move as before), nor a
+    decode with no full block yet."""
+    if engine is None:
+        return []
+    if not allowed:
+        engine.skip_precopy(sreq.request_id)
+        return []
+    held = engine.hold_full_kv(sreq.request_id)
+    if held is None:
+        return []
+    return [PrecopyEvent(kv=migration.offer_precopy(sreq.request_id, held))]
 
 
 def _line(event: BaseModel) -> bytes:
@@ -255,7 +279,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
                 reserved = []
             events: list[BaseModel] = []
             for out in batch:
-                events += events_for(migration, sreq, out, skip, req)
+                events += events_for(migration, sreq, out, skip, req, engine)
                 skip = max(0, skip - len(out.new_token_ids))
                 if out.finished and out.timings:
                     observe_stages(engine.role.value, set(sreq.stages), out.timings)

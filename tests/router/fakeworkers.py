@@ -36,6 +36,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
+from starlette.requests import ClientDisconnect
 
 from triptych.processor import MMItem
 from triptych.router.backend import GenerationRequest, TokenEvent
@@ -190,6 +191,10 @@ class FakeWorker:
         self.running: set[str] = set()
         self.parked: set[str] = set()  # ids holding a hand-over nobody pulled yet
         self.scripts: deque[Script] = deque()
+        # Takeovers (router/takeover.py): the first line of each, whether its hand-over came,
+        # and the status to answer one with instead of running it (None: run it).
+        self.takeovers: list[tuple[StageRequest, bool]] = []
+        self.takeover_status: int | None = None
         self.app = self._build_app()
 
     def script(self, *scripts: Script) -> None:
@@ -242,10 +247,27 @@ class FakeWorker:
             self.parked.discard(request_id)
             return {"aborted": request_id}
 
+        @app.post("/internal/takeover")
+        async def takeover(http: Request) -> Response:
+            lines = _lines(http.stream())
+            first = StageRequest.model_validate_json(await anext(lines))
+            try:
+                tail = KVSource.model_validate_json(await anext(lines))
+            except (StopAsyncIteration, ClientDisconnect):
+                self.takeovers.append((first, False))
+                return JSONResponse({"error": {"message": "no hand-over"}}, status_code=400)
+            self.takeovers.append((first, True))
+            if self.takeover_status is not None:
+                return JSONResponse({"error": {"message": f"{self.name} answers {self.takeover_status}"}},
+                                    status_code=self.takeover_status)
+            return respond(first.model_copy(update={"kv_source": tail}))
+
         @app.post("/internal/run")
         async def run(http: Request) -> Response:
             assert http.headers.get("content-type") == STAGE_FRAME_TYPE  # what a worker reads
-            sreq = decode_stage_request(await http.body())
+            return respond(decode_stage_request(await http.body()))
+
+        def respond(sreq: StageRequest) -> Response:
             script = self.scripts.popleft() if self.scripts else None
             self.runs.append(Run(sreq, scripted=script is not None))
             if sreq.request_id in self.running | self.parked:
@@ -284,6 +306,16 @@ class FakeWorker:
                 await asyncio.sleep(0)  # one event per chunk, as a worker streams them
         finally:
             self.running.discard(request_id)
+
+
+async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *done, pending = pending.split(b"\n")
+        for line in done:
+            if line.strip():
+                yield line
 
 
 # -- a deployment of fakes -------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from fakeworkers import FakeCluster, collect, expected_tokens, request, status
 
 from triptych.router.backend import BackendError
-from triptych.stage_protocol import KVSource, MigratingEvent
+from triptych.stage_protocol import KVSource, MigratingEvent, PrecopyEvent
 from triptych.topology import Stage
 
 
@@ -122,3 +122,70 @@ async def test_a_migrated_choice_goes_on_through_the_bounded_decode_wait():
         assert runs == ["req", "req.c1.d1", "req.c1.d2"]
         cont = [r for w in ("d0", "d1") for r in cluster[w].runs if r.id == "req.c1.d2"][0]
         assert cont.request.kv_source.first_token == answer[1] and cont.request.sampling.n == 1
+
+
+# -- live migration: pre-copy, then the hand-over on the takeover (router/takeover.py) ------
+
+
+def precopy_then_migrate(precopy_at: int, migrate_at: int):
+    """Stream tokens; after `precopy_at` of them offer a pre-copy (the switch began), after
+    `migrate_at` hand the decode over (the switch stopped it), as a switching D does."""
+    def script(sreq, normal):
+        sent = [e.token_ids[0] for e in normal[:migrate_at]]
+        pre = KVSource(handle={"agent": "d0", "precopy": True}, num_tokens=len(sreq.prompt_token_ids),
+                       first_token=sreq.kv_source.first_token)
+        before = [sreq.kv_source.first_token, *sent[:-1]]
+        kv = KVSource(handle={"agent": "d0", "request_id": sreq.request_id},
+                      num_tokens=len(sreq.prompt_token_ids) + len(before), first_token=sent[-1], generated=before)
+        return [*normal[:precopy_at], PrecopyEvent(kv=pre), *normal[precopy_at:migrate_at], MigratingEvent(kv=kv)]
+    return script
+
+
+def precopy_then_finish(precopy_at: int):
+    """A pre-copy is offered, but the decode ends at its source before the switch stops it."""
+    def script(sreq, normal):
+        pre = KVSource(handle={"agent": "d0", "precopy": True}, num_tokens=len(sreq.prompt_token_ids),
+                       first_token=sreq.kv_source.first_token)
+        return [*normal[:precopy_at], PrecopyEvent(kv=pre), *normal[precopy_at:]]
+    return script
+
+
+async def test_a_precopied_decode_goes_on_through_the_takeover_its_precopy_opened():
+    async with FakeCluster("1P2D") as cluster:
+        cluster["d0"].script(precopy_then_migrate(2, 4))
+        tokens, finish = await collect(cluster.orchestrator(), request(max_tokens=9))
+        assert tokens == expected_tokens(request(max_tokens=9)) and finish == "length"
+        ((first, handed_over),) = cluster["d1"].takeovers
+        assert handed_over and first.request_id.startswith("req.t") and first.stages == [Stage.DECODE]
+        assert first.kv_source.handle == {"agent": "d0", "precopy": True}  # the pre-copy, ahead
+        (cont,) = cluster["d1"].runs  # the hand-over went on the takeover, not a new hop
+        assert cont.id == first.request_id and cont.request.kv_source.handle["agent"] == "d0"
+        assert cont.request.kv_source.generated == tokens[:4] and cont.request.kv_source.first_token == tokens[4]
+
+
+async def test_a_takeover_never_handed_over_is_closed():
+    async with FakeCluster("1P2D") as cluster:
+        cluster["d0"].script(precopy_then_finish(2))
+        tokens, finish = await collect(cluster.orchestrator(), request(max_tokens=6))
+        assert tokens == expected_tokens(request(max_tokens=6)) and finish == "length"
+        for _ in range(200):
+            if cluster["d1"].takeovers:
+                break
+            await asyncio.sleep(0.01)
+        ((first, handed_over),) = cluster["d1"].takeovers
+        assert not handed_over and cluster["d1"].runs == []
+
+
+async def test_a_takeover_refused_passes_the_hand_over_to_another_decode_instance():
+    """The instance the pre-copy went to refuses the hand-over (it began a switch itself):
+    the decode goes on elsewhere with the same KV, all of it pulled there."""
+    async with FakeCluster("1P3D") as cluster:
+        cluster["d0"].script(precopy_then_migrate(2, 4))
+        for name in ("d1", "d2"):
+            cluster[name].takeover_status = 503
+        tokens, finish = await collect(cluster.orchestrator(), request(max_tokens=9))
+        assert tokens == expected_tokens(request(max_tokens=9)) and finish == "length"
+        takeovers = cluster["d1"].takeovers + cluster["d2"].takeovers
+        assert [handed for _, handed in takeovers] == [True]
+        (cont,) = cluster["d1"].runs + cluster["d2"].runs
+        assert cont.request.kv_source.handle["agent"] == "d0" and cont.request.kv_source.generated == tokens[:4]

@@ -126,18 +126,15 @@ def test_instance_role_gates_stages():
 
 
 def test_decode_hop_deadline_grows_with_max_tokens():
-    import httpx
-
     from triptych.router.backend import GenerationRequest
-    from triptych.router.orchestrator import Orchestrator, OrchestratorConfig
+    from triptych.router.orchestrator_config import OrchestratorConfig, hop_deadline
     from triptych.sampling_params import SamplingParams
 
-    orch = Orchestrator(registry("1E1P1D"), httpx.AsyncClient(),
-                        config=OrchestratorConfig(stage_timeout_s=10, per_token_timeout_s=0.5))
+    config = OrchestratorConfig(stage_timeout_s=10, per_token_timeout_s=0.5)
     req = GenerationRequest("r", [1, 2], [], [], SamplingParams(max_tokens=100))
-    assert orch._deadline([Stage.ENCODE], req) == 10
-    assert orch._deadline([Stage.PREFILL], req) == 10
-    assert orch._deadline([Stage.PREFILL, Stage.DECODE], req) == 60
+    assert hop_deadline(config, [Stage.ENCODE], req) == 10
+    assert hop_deadline(config, [Stage.PREFILL], req) == 10
+    assert hop_deadline(config, [Stage.PREFILL, Stage.DECODE], req) == 60
 
 
 def test_plan_request_returns_the_final_plan_with_image_placement():

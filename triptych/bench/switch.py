@@ -7,7 +7,9 @@ decode instance to P, a prefill instance to D, an encode instance to D and back 
 switch's own cost) and under `--concurrency` streaming requests (ignore_eos), where a
 D->X switch waits until the instance runs decodes, so that they migrate.
 
-For each stream it reports how much its largest inter-token gap exceeds its mean gap
+`pre-copy ms` is the part of the switch during which the decodes to be moved still run
+here while their new instances pull their full KV blocks (live migration); `total ms`
+includes it. For each stream it reports how much its largest inter-token gap exceeds its mean gap
 (TPOT), in mean gaps ("added gaps"): a decode moved to another instance mid-stream pauses once,
 for the pull and the hop. `migrated gaps` is the maximum over the streams that moved — the
 switched instance's `/admin/stats` `last_switch.migrated_ids` names them by request id (the
@@ -109,7 +111,7 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             moved = {i.split(".")[0] for i in last.get("migrated_ids", [])}
             moved_gaps = [a for a in (added_gaps(r) for r in results if r.ok and r.request_id in moved)
                           if a is not None]
-            row = {"switch": label, "loaded": loaded, **{k: report[k] for k in
+            row = {"switch": label, "loaded": loaded, "precopy_s": report.get("precopy_s", 0.0), **{k: report[k] for k in
                    ("offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back")},
                    "handover_s": last.get("handover_s"),
                    "requests": len(results), "failed": len(failed),
@@ -157,11 +159,12 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = ("switch", "load", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "hand-over ms",
+    head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "hand-over ms",
             "handed back", "failed", "migrated gaps", "max added gaps")
     rows = [head]
     for r in report["switches"]:
-        rows.append((r["switch"], "streams" if r["loaded"] else "idle", fmt(r["offload_s"], 1000, 1),
+        rows.append((r["switch"], "streams" if r["loaded"] else "idle", fmt(r.get("precopy_s"), 1000, 1),
+                     fmt(r["offload_s"], 1000, 1),
                      fmt(r["migrate_s"], 1000, 1), fmt(r["onload_s"], 1000, 1), fmt(r["total_s"], 1000, 1),
                      str(r["migrated"]), fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
                      str(r["handed_back"]), f"{r['failed']}/{r['requests']}",

@@ -44,6 +44,7 @@ from triptych.worker.engine.kv_cache import OutOfBlocksError
 from triptych.worker.engine.model_runner import ModelRunner, Sampled
 from triptych.worker.engine.outputs import OutputProcessor
 from triptych.worker.engine.parallel_vision import ParallelVision, make_parallel_vision
+from triptych.worker.engine.precopy import PreCopy
 from triptych.worker.engine.pulled_blocks import PulledBlocks
 from triptych.worker.engine.request import (
     FinishReason,
@@ -58,7 +59,7 @@ from triptych.worker.engine.scheduler import Counters, QueuedWork, Scheduler, Sc
 log = logging.getLogger(__name__)
 
 
-class Engine(PulledBlocks):
+class Engine(PulledBlocks, PreCopy):
     def __init__(self, config: EngineConfig, model: Any = None) -> None:
         from triptych.worker.models.loader import load_model
 
@@ -90,6 +91,7 @@ class Engine(PulledBlocks):
         self._budget_pair = self._budgets()
         self._wire(Counters(), self.spec.eos_token_ids)
         self.migrating_out = False  # park every decode after its step (role switch / drain)
+        self.precopy_pending: set[str] = set()  # decodes told to offer a pre-copy, not yet offered
         self.driver = EngineDriver(self)
         self.stalled = False  # the last step found nothing it could run
 
@@ -122,8 +124,17 @@ class Engine(PulledBlocks):
             # its KV cache (P <-> D), in the same blocks, released on confirm or expiry.
             parked = dict(self.scheduler.parked)
             held = len(self._requests.keys() - parked.keys())
-            if held or self.scheduler.has_work or (parked and not role.needs_language):
+            if held or self.scheduler.has_work:
                 raise RuntimeError(f"set_role needs an idle engine; {len(self._requests)} request(s) held")
+            if not role.needs_language:
+                # The KV cache goes: its parked hand-overs are detached from the engine (their
+                # blocks go back to that cache, which nothing allocates from again); their
+                # pulls read the dropped cache through the old transfer agent, kept until its
+                # last lease is released (InstanceRuntime._retire), and their release is a no-op.
+                for request_id, req in list(parked.items()):
+                    if req.handoff is not None and req.handoff.stage != Stage.ENCODE:
+                        self.output.finish(req, None)
+                        del parked[request_id]
             changed = change_parts(self, role)
             self.role = self.config.role = role
             self.migrating_out = False
@@ -278,6 +289,8 @@ class Engine(PulledBlocks):
                 self.migrating_out = self.migrating_out or arg
                 if arg:
                     outputs.extend(self.output.park_decodes())
+            elif kind == "precopy":
+                outputs.extend(self._precopy_outputs())
             elif kind in ("abort", "release"):
                 req = self._requests.get(arg)
                 if req is not None:

@@ -160,6 +160,7 @@ class RequestOutput:
     error: str | None = None
     handoff: Handoff | None = None
     logprobs: list[dict[str, Any]] | None = None
+    precopy: bool = False  # offer this decode's full KV blocks for a pre-copy (Engine.precopy)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: dict[str, float] | None = None

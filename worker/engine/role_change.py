@@ -40,12 +40,13 @@ def needs_mm(role: InstanceType, keep_mm_cache: bool = False) -> bool:
 
 def keeps_handovers(engine: Engine, role: InstanceType) -> bool:
     """Whether hand-overs parked in `engine` (a decode's or a prefill's KV, an encode's
-    embedding) may stay parked across a change to `role`: every cache they sit in stays
-    (as `change_parts` decides). Then a switch need not wait for their pulls: they are
-    released on confirm or lease expiry, in the same blocks, while the new role serves."""
-    kv_kept = engine.kv is None or role.needs_language
-    mm_kept = engine.mm is None or needs_mm(role, engine.config.keep_mm_cache) or role.needs_language
-    return kv_kept and mm_kept
+    embedding) may outlive a change to `role`, so that a switch need not wait for their
+    pulls: they are released on confirm or lease expiry while the new role serves. An
+    embedding stays parked in the MM cache if that stays (as `change_parts` decides); KV
+    stays in the KV cache if that stays (P <-> D), and otherwise is detached with it
+    (`Engine.set_role`): the dropped cache lives on, read by the pulls under the old
+    transfer agent, until its last lease goes (`InstanceRuntime._retire`)."""
+    return engine.mm is None or needs_mm(role, engine.config.keep_mm_cache) or role.needs_language
 
 
 def change_parts(engine: Engine, role: InstanceType) -> PartsChanged:

@@ -113,9 +113,12 @@ class LeaseTable:
             due = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
         return [lid for lid in due if self._release(lid, "expired")]
 
-    def outstanding(self) -> int:
+    def outstanding(self, owner_suffix: str | None = None) -> int:
+        """Leases not yet released; with `owner_suffix`, those whose owner ends with it."""
         with self._lock:
-            return len(self._leases)
+            if owner_suffix is None:
+                return len(self._leases)
+            return sum(1 for lease in self._leases.values() if lease.owner.endswith(owner_suffix))
 
     def subscribe(self, on_offer: Callable[[], None]) -> Callable[[], None]:
         """Call `on_offer` after every offer (on the offering thread); returns the unsubscriber."""

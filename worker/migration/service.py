@@ -43,6 +43,8 @@ MIGRATION_PHASE_SECONDS: Histogram = registry_metric(
     ["kind", "phase"], buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1))
 
 
+PRECOPY_OWNER_SUFFIX = "#precopy"  # a pre-copy lease's owner: the request id + this (never cancelled)
+
 KV_BLOCKS_REUSED: Counter = registry_metric(
     Counter, "triptych_worker_kv_blocks_reused",
     "Prefilled KV blocks a decode instance took from its own prefix cache instead of pulling them", [])
@@ -138,6 +140,23 @@ class MigrationService:
         handle = self._handle("kv", block_ids, lease)
         return KVSource(handle=handle, num_tokens=num_tokens, first_token=first_token)
 
+    def offer_precopy(self, request_id: str, held: Any) -> KVSource:
+        """Offer a running decode's full KV blocks for a pre-copy (live migration): `held`
+        is the engine's `HeldKV` — its references keep the blocks valid while the decode
+        goes on (or ends), and the lease owns them from here: confirm, expiry (or
+        `free_all`) releases them. Not cancelled with the request: a target may be reading
+        them into its prefix cache, and what it caches must be what it read."""
+        lease = self.leases.offer("kv", held.block_ids, held.release, self.lease_seconds,
+                                  owner=request_id + PRECOPY_OWNER_SUFFIX)
+        handle = self._handle("kv", held.block_ids, lease)
+        generated = held.tokens[held.num_prompt_tokens:held.num_tokens]
+        return KVSource(handle=handle, num_tokens=held.num_tokens, first_token=held.tokens[held.num_tokens],
+                        generated=generated)
+
+    def precopies_outstanding(self) -> int:
+        """Pre-copy leases no target has confirmed yet (nor expired)."""
+        return self.leases.outstanding(owner_suffix=PRECOPY_OWNER_SUFFIX)
+
     def cancel(self, request_id: str) -> int:
         """The request was aborted: release its leases now (late pulls find nothing held)."""
         return self.leases.cancel_owner(request_id)
@@ -200,6 +219,12 @@ class MigrationService:
         images) are taken from it and not pulled: only the rest of the blocks cross the
         wire (the lease is confirmed all the same). The pulled full blocks join the prefix
         cache, so the next hand-over of the same prefix skips them too."""
+        block_ids, _ = await self._pull_kv(src, token_ids, mm_items)
+        return block_ids
+
+    async def _pull_kv(self, src: KVSource, token_ids: Sequence[int],
+                       mm_items: Sequence[PlaceholderRun]) -> tuple[list[int], int]:
+        """`pull_kv`, also saying how many leading blocks the prefix cache held."""
         started = time.monotonic()
         handle = _parse(src.handle)
         prompt_tokens = min(src.num_tokens, len(token_ids))
@@ -220,7 +245,25 @@ class MigrationService:
             raise
         if hashes:
             self.store.cache_kv(block_ids[held:len(hashes)], hashes[held:])
-        return block_ids
+        return block_ids, held
+
+    async def precopy_kv(self, src: KVSource, token_ids: Sequence[int],
+                         mm_items: Sequence[PlaceholderRun] = ()) -> tuple[int, int]:
+        """Target side of a pre-copy: pull a running decode's full blocks (`src`: their
+        tokens are `token_ids` + `src.generated`) into the prefix cache and let go of them
+        there — cached, unreferenced, evictable like any cached prefix, so nothing can leak.
+        The decode's hand-over then finds them (`pull_kv` with the same tokens) and pulls
+        only the rest. Returns (blocks pulled, blocks already held)."""
+        tokens = [*token_ids, *src.generated]
+        if not self.store.kv_block_hashes(tokens, mm_items, src.num_tokens):  # no prefix cache here
+            handle = _parse(src.handle)
+            await self._pull(handle.model_copy(update={"block_ids": []}), "kv", [], "pd")  # confirm only
+            return 0, 0
+        # Shielded: a cancelled caller (the router gave up) must not free blocks a transfer
+        # thread is still writing.
+        block_ids, held = await asyncio.shield(self._pull_kv(src, tokens, mm_items))
+        self.store.free_kv(block_ids)
+        return len(block_ids) - held, held
 
     def discard_kv(self, block_ids: list[int]) -> None:
         """Free pulled KV blocks that no request took over (it was refused before the engine)."""

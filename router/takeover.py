@@ -1,0 +1,88 @@
+"""Live migration of a decode about to move (a role switch or a drain on its instance;
+EPDServe §3.2.4 migrate, done as Clark et al., "Live Migration of Virtual Machines",
+NSDI '05 §3: pre-copy while it runs, then stop-and-copy of what is left).
+
+The decode's instance sends a `precopy` event (a handle on the KV blocks already full) and
+keeps decoding. The router at once picks the instance the decode will go on at and opens
+the decode's next hop there, `POST /internal/takeover` (worker/takeover.py), with a body it
+streams in two NDJSON lines: the hop's `StageRequest` now (its kv_source the full blocks:
+the instance pulls them while the source goes on), and the hand-over of the `migrating`
+event once the source stops the decode. The stop-and-copy then costs one line on an open
+connection and a pull of the last, partial block(s) — not a new hop and all of the KV.
+
+A takeover that is never handed over (the decode finished at its source, the client went
+away, or the chosen instance no longer takes decodes) is closed: its connection drops and
+the instance lets go (pre-copied blocks sit evictable in its prefix cache; nothing leaks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from triptych.router.overhead import WaitClock
+from triptych.router.registry import Instance
+from triptych.router.stage_client import StageClient, StageFailure
+from triptych.stage_protocol import KVSource, StageEvent, StageRequest
+
+log = logging.getLogger("triptych.router.takeover")
+
+_END = object()
+
+
+class Takeover:
+    """One moving decode's next hop, opened at `target` at its pre-copy and run as a task;
+    `hand_over` sends the hand-over, `events` yields the hop's events as `StageClient.run`
+    would (its failures raised there)."""
+
+    def __init__(self, stages: StageClient, target: Instance, sreq: StageRequest, read_timeout_s: float,
+                 waits: WaitClock) -> None:
+        self.target, self.request_id = target, sreq.request_id
+        self._tail: asyncio.Future[KVSource] = asyncio.get_running_loop().create_future()
+        self._tail_sent = False
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+        first = sreq.model_dump_json().encode() + b"\n"
+        self._task = asyncio.create_task(self._run(stages, sreq, read_timeout_s, waits, first))
+
+    def hand_over(self, kv: KVSource) -> None:
+        """The source stopped the decode: send its hand-over on the open connection."""
+        if not self._tail.done():
+            self._tail.set_result(kv)
+
+    async def events(self) -> AsyncIterator[StageEvent]:
+        while True:
+            item = await self._queue.get()
+            if item is _END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item  # type: ignore[misc]
+
+    def close(self) -> None:
+        """Drop the hop (unused, or its reader gone): the instance sees the connection end."""
+        self._task.cancel()
+        if not self._tail.done():
+            self._tail.cancel()
+
+    async def _body(self, first: bytes) -> AsyncIterator[bytes]:
+        yield first
+        kv = await self._tail
+        yield kv.model_dump_json().encode() + b"\n"
+        self._tail_sent = True
+
+    async def _run(self, stages: StageClient, sreq: StageRequest, read_timeout_s: float, waits: WaitClock,
+                   first: bytes) -> None:
+        try:
+            async for event in stages.run(self.target, sreq, read_timeout_s, waits, path="/internal/takeover",
+                                          content=self._body(first)):
+                self._queue.put_nowait(event)
+            self._queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except StageFailure as failure:
+            if not self._tail_sent:  # the instance never had the hand-over: as safe to retry as a 503
+                failure.status = 503
+            self._queue.put_nowait(failure)
+        except BaseException as exc:  # a client error (BackendError) goes to the reader as it is
+            self._queue.put_nowait(exc)

@@ -1,0 +1,110 @@
+"""Live-migration pre-copy of running decodes (Clark et al., NSDI '05 §3, applied to KV
+blocks): before a role switch or a drain parks its decodes, each running decode offers
+the KV blocks already full — their KV never changes again — under an ordinary lease,
+while it keeps decoding here; its next instance pulls them ahead, and the hand-over then
+moves only the last, partial block(s). A mixin of `Engine` (engine.py), which owns the
+requests, the KV cache, the lock and the driver.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from triptych.topology import Stage
+from triptych.worker.engine.request import RequestOutput, RequestStatus
+
+if TYPE_CHECKING:
+    from triptych.worker.engine.driver import EngineDriver
+    from triptych.worker.engine.kv_cache import KVCache
+    from triptych.worker.engine.outputs import OutputProcessor
+    from triptych.worker.engine.request import Request
+    from triptych.worker.engine.scheduler import Scheduler
+
+
+class PreCopy:
+    kv: KVCache | None
+    driver: EngineDriver
+    output: OutputProcessor
+    scheduler: Scheduler
+    precopy_pending: set[str]  # decodes told to offer a pre-copy, not yet offered
+    _requests: dict[str, Request]
+    _inbox: Any
+    _lock: threading.RLock
+
+    def precopy(self) -> None:
+        """Live-migration pre-copy (switch or drain about to move the decodes): every running
+        decode gets an output with `precopy` set, on which its stream offers the KV blocks
+        already full (`hold_full_kv`) while the decode goes on here."""
+        self._inbox.append(("precopy", None))
+        self.driver.wake()
+
+    def precopies_waiting(self) -> int:
+        """Decodes told to offer a pre-copy that are still running here and have not yet."""
+        with self._lock:
+            live = {i for i, r in self._requests.items() if r.status == RequestStatus.DECODING}
+            self.precopy_pending &= live
+            return len(self.precopy_pending)
+
+    def skip_precopy(self, request_id: str) -> None:
+        """The decode's stream offers no pre-copy (it moves whole at the hand-over)."""
+        with self._lock:
+            self.precopy_pending.discard(request_id)
+
+    def hold_full_kv(self, request_id: str) -> HeldKV | None:
+        """A reference to each full KV block of a running decode (their KV never changes
+        again), for a pre-copy lease: the blocks stay valid whatever the request does next
+        (finish, abort, park), until `HeldKV.release`. None when the request is not decoding
+        here or has no full block."""
+        with self._lock:
+            self.precopy_pending.discard(request_id)
+            req = self._requests.get(request_id)
+            kv = self.kv
+            if req is None or kv is None or req.status != RequestStatus.DECODING:
+                return None
+            full = req.num_computed_tokens // kv.block_size
+            if full == 0:
+                return None
+            block_ids = req.block_ids[:full]
+            kv.touch(block_ids)
+            return HeldKV(block_ids, full * kv.block_size, req.all_token_ids[:full * kv.block_size + 1],
+                          req.num_prompt_tokens, _releaser(kv, block_ids, self._lock, self.driver.wake))
+
+    def _precopy_outputs(self) -> list[RequestOutput]:
+        """On the step thread: an output with `precopy` set for each running decode."""
+        outputs = []
+        for req in [r for r in self.scheduler.running if r.status == RequestStatus.DECODING
+                    and Stage.DECODE in r.stages]:
+            self.precopy_pending.add(req.request_id)
+            out = self.output.output(req)
+            out.precopy = True
+            outputs.append(out)
+        return outputs
+
+
+@dataclass
+class HeldKV:
+    """Full KV blocks of a running decode held for a pre-copy (`Engine.hold_full_kv`):
+    `tokens` are the ones whose KV they hold, plus the token sampled after them."""
+
+    block_ids: list[int]
+    num_tokens: int
+    tokens: list[int]
+    num_prompt_tokens: int
+    release: Callable[[], None]  # drop the references (once; later calls do nothing)
+
+
+def _releaser(kv: Any, block_ids: list[int], lock: threading.RLock, wake: Callable[[], None]) -> Callable[[], None]:
+    """Free `block_ids` in `kv` once — in that cache even after a role change replaced it."""
+    done = [False]
+
+    def release() -> None:
+        with lock:
+            if done[0]:
+                return
+            done[0] = True
+            kv.free(block_ids)
+        wake()
+    return release

@@ -1,0 +1,87 @@
+"""The target side of a live-migrated decode (`POST /internal/takeover`).
+
+A decode instance that is about to move a running decode (a role switch or a drain) first
+offers the KV blocks already full (a `precopy` event) and keeps decoding; the router then
+opens the decode's next hop here with an NDJSON request body sent in two parts (Clark et
+al., "Live Migration of Virtual Machines", NSDI '05 §3: pre-copy, then stop-and-copy):
+
+1. the hop's `StageRequest`, its kv_source the full blocks: they are pulled into this
+   instance's prefix cache at once (`MigrationService.precopy_kv`) while the source goes on;
+2. once the source has stopped the decode, its hand-over `KVSource` (all its blocks, the
+   tokens so far), on the connection already open: the run then goes on as any decode
+   hop, and its pull finds the pre-copied blocks cached and reads only the rest.
+
+Nothing is held between the two: pre-copied blocks sit unreferenced in the prefix cache
+(evictable), so a hand-over that never comes leaks nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from pydantic import ValidationError
+
+from triptych.stage_protocol import KVSource, StageRequest
+from triptych.topology import Stage
+from triptych.worker.errors import BadPayloadError
+from triptych.worker.instance import InstanceRuntime
+from triptych.worker.migration import MigrationError
+
+log = logging.getLogger("triptych.worker.takeover")
+
+
+class NoHandOverError(BadPayloadError):
+    """The router closed the takeover without sending the hand-over (the decode finished
+    at its source, or the client went away)."""
+
+
+async def ndjson_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The non-empty lines of a streamed request body, each as soon as it is complete."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
+    if pending.strip():
+        yield pending
+
+
+async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRequest:
+    """Read the hop, pre-copy its full blocks, wait for the hand-over: the decode hop to run
+    (its kv_source the hand-over). Raises BadPayloadError (a 4xx; the router drops the hop)
+    for a malformed or missing part."""
+    try:
+        sreq = StageRequest.model_validate_json(await anext(lines))
+    except (StopAsyncIteration, ValidationError) as exc:
+        raise BadPayloadError(f"takeover: no valid stage request first: {exc}") from exc
+    if sreq.kv_source is None or sreq.stages != [Stage.DECODE]:
+        raise BadPayloadError("takeover: a decode hop with the pre-copied blocks as kv_source comes first")
+    await _precopy(inst, sreq, sreq.kv_source)
+    try:
+        async with asyncio.timeout(sreq.timeout_s):
+            tail = KVSource.model_validate_json(await anext(lines))
+    except (StopAsyncIteration, TimeoutError) as exc:
+        raise NoHandOverError(f"takeover of {sreq.request_id}: no hand-over came") from exc
+    except ValidationError as exc:
+        raise BadPayloadError(f"takeover: the hand-over is no KV source: {exc}") from exc
+    return sreq.model_copy(update={"kv_source": tail})
+
+
+async def _precopy(inst: InstanceRuntime, sreq: StageRequest, kv: KVSource) -> None:
+    """Best effort: a pre-copy that fails (or an instance not serving decodes any more)
+    leaves the hand-over to pull every block, or to be refused by `prepare`."""
+    engine, migration = inst.engine, inst.migration
+    if engine is None or migration is None or inst.draining or inst.switching or not engine.role.runs(Stage.DECODE):
+        return
+    inst.preparing += 1  # a switch waits for it: the blocks it fills are this role's cache's
+    try:
+        pulled, held = await migration.precopy_kv(kv, sreq.prompt_token_ids, sreq.mm_items)
+        log.debug("takeover of %s: pre-copied %d blocks (%d held already)", sreq.request_id, pulled, held)
+    except MigrationError as exc:
+        log.info("takeover of %s: pre-copy failed (%s); the hand-over pulls every block", sreq.request_id, exc)
+    finally:
+        inst.preparing -= 1
