@@ -176,6 +176,9 @@ def _add_bench_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
     a.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
     a.add_argument("--topology", default="2E1P1D")
     a.add_argument("--instance-cpus", type=_cpus, default=0.5, metavar="X", help="CPU quota of every instance")
+    a.add_argument("--instance-cpu-period-ms", type=float, default=10.0, metavar="MS",
+                   help="the quota's CFS period: short, so a capped instance is a uniformly slower device "
+                        "rather than one that stalls most of each 100 ms (cpu_quota.py)")
     a.add_argument("--priority", type=_cpus, default=1.0, metavar="K",
                    help="weight of each capped instance per CPU of quota (see bench neighbours)")
     a.add_argument("--rate", type=float, default=2.0, help="requests/s in both phases")
@@ -221,6 +224,9 @@ def _add_bench_simulate_validate(bsub: argparse._SubParsersAction) -> None:
     v.add_argument("--prompt-tokens", type=int, default=32, help="text tokens per request")
     v.add_argument("--output-tokens", type=int, default=16)
     v.add_argument("--instance-cpus", type=_cpus, default=0.5, metavar="X", help="CPU quota of every instance")
+    v.add_argument("--instance-cpu-period-ms", type=float, default=10.0, metavar="MS",
+                   help="the quota's CFS period: short, so a capped instance is a uniformly slower device "
+                        "rather than one that stalls most of each 100 ms (cpu_quota.py)")
     v.add_argument("--priority", type=_cpus, default=1.0, metavar="K",
                    help="weight of each capped instance per CPU of quota (see bench neighbours)")
     v.add_argument("--profile", default=None, help="a profile JSON (default: measure one at the quota)")
@@ -398,6 +404,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--instance-cpus", type=_cpus, default=None, metavar="X",
                    help="cap every instance at X CPUs (its own cgroup, ceil(X) torch threads); "
                         "without root or a cpu controller it says so and runs uncapped")
+    p.add_argument("--instance-cpu-period-ms", type=float, default=None, metavar="MS",
+                   help="with --instance-cpus: the quota's CFS period (default: the kernel's 100 ms; "
+                        "a short one, e.g. 10, makes an instance a uniformly slower device)")
     p.add_argument("--autoscale", action="store_true", help="also run the planner (triptych autoscale)")
     p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")
     p.add_argument("--autoscale-standby", type=int, default=0,

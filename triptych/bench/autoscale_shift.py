@@ -145,7 +145,8 @@ def run_once(args: argparse.Namespace, trace: list[TraceRequest], n_before: int,
     mode = "autoscale" if autoscale else "static"
     dep = LocalDeployment(model=resolve_model(args.model), topology=parse_topology(args.topology),
                           transfer_require=args.transfer_require, instance_cpus=args.instance_cpus,
-                          cpu_priority=args.priority, admin_token=token,
+                          cpu_priority=args.priority, cpu_period_ms=args.instance_cpu_period_ms,
+                          admin_token=token,
                           router_args=["--admin-token-file", str(token_file)],
                           log_dir=Path(args.log_dir) / mode if args.log_dir else None)
     slo = SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo)
