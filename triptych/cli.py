@@ -175,16 +175,20 @@ def _add_bench_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
                         help="serve --autoscale vs static under a workload shift (SLO attainment, lost requests)")
     a.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny'")
     a.add_argument("--topology", default="2E1P1D")
-    a.add_argument("--instance-cpus", type=_cpus, default=0.5, metavar="X", help="CPU quota of every instance")
+    a.add_argument("--instance-cpus", type=_cpus, default=None, metavar="X",
+                   help="CPU quota of every instance; default: 0.5 (text), 0.25 (outputs)")
     a.add_argument("--instance-cpu-period-ms", type=float, default=10.0, metavar="MS",
                    help="the quota's CFS period: short, so a capped instance is a uniformly slower device "
                         "rather than one that stalls most of each 100 ms (cpu_quota.py)")
-    a.add_argument("--priority", type=_cpus, default=1.0, metavar="K",
-                   help="weight of each capped instance per CPU of quota (see bench neighbours)")
-    a.add_argument("--rate", type=float, default=2.0, help="requests/s in both phases")
-    a.add_argument("--phase-seconds", type=float, default=40.0, help="length of each phase")
+    a.add_argument("--priority", type=_cpus, default=None, metavar="K",
+                   help="weight of each capped instance per CPU of quota (see bench neighbours); "
+                        "default: 1 (text), 16 (outputs)")
+    a.add_argument("--rate", type=float, default=None, help="requests/s in both phases; default: 2 (text), "
+                   "1.5 (outputs)")
+    a.add_argument("--phase-seconds", type=float, default=None, help="length of each phase; default: 40 (text), "
+                   "30 (outputs)")
     a.add_argument("--after-seconds", type=float, default=None,
-                   help="length of the phase after the shift (default: --phase-seconds)")
+                   help="length of the phase after the shift; default: --phase-seconds (text), 120 (outputs)")
     a.add_argument("--image-size", type=int, nargs=2, default=[224, 224])
     a.add_argument("--shift", choices=("text", "outputs"), default="text",
                    help="text: image requests -> long text-only prompts (prefill bottleneck); outputs: "
@@ -198,7 +202,7 @@ def _add_bench_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
                    help="text tokens after the shift; default: 800 (text), --before-prompt (outputs)")
     a.add_argument("--after-output", type=int, default=None, help="default: 16 (text), 500 (outputs)")
     a.add_argument("--ttft-slo", type=float, default=1.0)
-    a.add_argument("--tbt-slo", type=float, default=0.2)
+    a.add_argument("--tbt-slo", type=float, default=None, help="default: 0.2 (text), 0.05 (outputs)")
     a.add_argument("--interval", type=float, default=2.0, help="planner: seconds between decisions")
     a.add_argument("--sustain", type=int, default=2, help="planner: snapshots a trigger must hold")
     a.add_argument("--role-switch-cooldown", type=float, default=15.0)

@@ -114,12 +114,16 @@ class Calibration:
 
 
 async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
-                             repeats: int = 9, burst: int = 4, burst_repeats: int = 3) -> Calibration:
+                             repeats: int = 9, burst: int = 4, burst_repeats: int = 3,
+                             pause_s: float = 0.5) -> Calibration:
     """Lone requests shaped like the trace's first (one warm-up, then `repeats` timed; no
     queueing): their median TTFT and TPOT and the CPU seconds the instances of each type
     (`pids` by type) spent per request; then `burst_repeats` bursts of `burst` of them sent
     at once, for the TPOT of a decode batch of `burst` (what splits the served path's cost
-    per token into a part per step, which a batch shares, and a part per request)."""
+    per token into a part per step, which a batch shares, and a part per request). Each
+    starts `pause_s` after the last ended: sent back to back, a request would meet its
+    predecessor's tail (the release of its hand-overs) on the instances and time that too,
+    which requests of a trace at a moderate rate do not."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
         model, ends = await discover(client, url, [], {})
         scale = await calibrate(client, url, model, {})
@@ -130,6 +134,7 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
         for i, body in enumerate(bodies[:repeats + 1]):
             if i == 1:  # after the warm-up
                 cpu0 = {name: sum(cpu_seconds(p) for p in ps) for name, ps in pids.items()}
+            await asyncio.sleep(pause_s)  # what the last request left (its hand-overs' release) is done
             r = await send_request(client, endpoint, body, 120.0)
             if not r.ok or r.ttft is None:
                 raise BenchError(f"lone request failed: {r.error}")
@@ -139,6 +144,7 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
         burst_tpots = []
         rest = bodies[repeats + 1:]
         for k in range(burst_repeats):
+            await asyncio.sleep(pause_s)
             results = await asyncio.gather(*(send_request(client, endpoint, b, 120.0)
                                              for b in rest[k * burst:(k + 1) * burst]))
             if not all(r.ok for r in results):
