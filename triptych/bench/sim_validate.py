@@ -222,7 +222,8 @@ def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone:
        stage run's HTTP, image decode, transfers); at a quota of X < 1 CPU it takes 1/X as
        long in wall time;
     3. a TTFT overhead for what is left of the lone request's TTFT: the router and the
-       hops' latency, which use no instance's capacity."""
+       hops' latency, which use no instance's capacity (negative, down to minus the
+       prefilling types' request work, where that work partly follows the first token)."""
     from triptych.operator.planner.simulator import Simulation
 
     fitted = profile
@@ -250,7 +251,12 @@ def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone:
         cfg = cfg.model_copy(update={"request_work_s": work})
         first = False
     again = simulate(topology, fitted, lone, cfg)
-    return Fitted(fitted, cfg.model_copy(update={"ttft_overhead_s": max(0.0, cal.ttft_s - (again.ttft_p50_s or 0.0))}))
+    # Negative when the lone request's first token came sooner than its request work
+    # charged up front allows: some of a prefilling instance's work per request (serving
+    # the KV pull) comes after the first token. At most that work.
+    after = sum(w for kind, w in cfg.request_work_s.items() if InstanceType(kind).runs(Stage.PREFILL))
+    overhead = max(-after, cal.ttft_s - (again.ttft_p50_s or 0.0))
+    return Fitted(fitted, cfg.model_copy(update={"ttft_overhead_s": overhead}))
 
 
 def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, profile: StepProfile,
