@@ -308,22 +308,28 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
     return rows
 
 
+LABELS = {"ttft_p50_s": "TTFT p50", "ttft_p90_s": "TTFT p90", "tpot_p50_s": "TPOT p50", "tpot_p90_s": "TPOT p90"}
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ["topology", "rate", "ok", "load1m"]
-    for m in ("TTFT50", "TTFT90", "TPOT50", "TPOT90"):
-        head += [f"{m} real", "sim", "err%"]
+    """One line per topology, rate and metric: measured, simulated (ms), error %."""
+    head = ("topology", "rate", "ok", "load1m", "metric", "measured", "simulated", "error%")
     lines = ["  ".join(f"{h:>9}" for h in head)]
     for r in rows:
-        cells = [r["topology"], fmt(float(r["rate"]), 1, 2), f"{r['completed']}/{r['num_requests']}",
-                 fmt(r["load_avg_1m"], 1, 2)]
         for m in METRICS:
-            cells += [fmt(r[f"measured_{m}"], 1e3, 1), fmt(r[f"simulated_{m}"], 1e3, 1),
-                      fmt(r[f"error_{m}"], 1, 1)]
-        lines.append("  ".join(f"{c:>9}" for c in cells))
+            cells = [r["topology"], fmt(float(r["rate"]), 1, 2), f"{r['completed']}/{r['num_requests']}",
+                     fmt(r["load_avg_1m"], 1, 2), LABELS[m], fmt(r[f"measured_{m}"], 1e3, 1),
+                     fmt(r[f"simulated_{m}"], 1e3, 1), fmt(r[f"error_{m}"], 1, 1)]
+            lines.append("  ".join(f"{c:>9}" for c in cells))
     errs = [abs(r[f"error_{m}"]) for r in rows for m in METRICS if r[f"error_{m}"] is not None]
     if errs:
-        lines.append(f"\nTTFT/TPOT in ms; err% = (sim - real) / real. Mean |err| {statistics.mean(errs):.1f}%, "
-                     f"max {max(errs):.1f}%, {sum(e <= 15 for e in errs)}/{len(errs)} within 15%.")
+        lines.append(f"\nmeasured / simulated in ms; error% = (sim - real) / real. Mean |error| "
+                     f"{statistics.mean(errs):.1f}%, max {max(errs):.1f}%, {sum(e <= 15 for e in errs)}/{len(errs)} "
+                     "within 15%.")
+        for m in METRICS:
+            part = [abs(r[f"error_{m}"]) for r in rows if r[f"error_{m}"] is not None]
+            if part:
+                lines.append(f"  {LABELS[m]}: mean |error| {statistics.mean(part):.1f}%")
     return "\n".join(lines)
 
 
