@@ -74,6 +74,16 @@ class FrontendMetrics:
     def request_done(self, status: int) -> None:
         self.requests.labels(self.model, str(status)).inc()
 
+    def observe_gaps(self, gaps: list[float]) -> None:
+        """Token gaps as they happen, not when their request ends: the planner's decode
+        signal (TBT p90 over its last interval, operator/planner/signals.py) then shows a
+        slow decoder within one interval instead of one request's duration later (25 s
+        for 500 tokens at 50 ms)."""
+        if gaps:
+            child = self.tbt.labels(self.model)
+            for g in gaps:
+                child.observe(g)
+
     def record_completion(self, timer: RequestTimer) -> None:
         """A request that produced all its tokens (finish_reason set)."""
         if timer.first_token_at is None:
@@ -82,8 +92,6 @@ class FrontendMetrics:
         ttft = timer.first_token_at - timer.start
         self.ttft.labels(self.model).observe(ttft)
         self.e2e.labels(self.model).observe(end - timer.start)
-        for g in timer.gaps:
-            self.tbt.labels(self.model).observe(g)
         if timer.num_tokens > 1:
             self.tpot.labels(self.model).observe((end - timer.first_token_at) / (timer.num_tokens - 1))
         met = meets_slo(ttft, timer.gaps, self.ttft_slo_s, self.tbt_slo_s)
@@ -102,16 +110,18 @@ class RequestTimer:
     num_tokens: int = 0
     gaps: list[float] = field(default_factory=list)
 
-    def tokens(self, count: int, now: float | None = None) -> None:
+    def tokens(self, count: int, now: float | None = None) -> list[float]:
+        """Record `count` tokens arriving now; returns the gaps they add."""
         if count <= 0:
-            return
+            return []
         now = time.monotonic() if now is None else now
         if self.first_token_at is None:
             self.first_token_at = now
-            self.gaps.extend([0.0] * (count - 1))
+            new = [0.0] * (count - 1)
         else:
             assert self.last_token_at is not None
-            self.gaps.append(now - self.last_token_at)
-            self.gaps.extend([0.0] * (count - 1))
+            new = [now - self.last_token_at] + [0.0] * (count - 1)
+        self.gaps.extend(new)
         self.last_token_at = now
         self.num_tokens += count
+        return new

@@ -172,7 +172,7 @@ async def _pieces(job: Job, pump: EventPump) -> AsyncIterator[Piece]:
         out = choice.output
         ids = list(event.token_ids)[: max(0, job.max_tokens - out.num_tokens)]
         lps = event.logprobs[: len(ids)] if event.logprobs is not None else None
-        job.timer.tokens(len(ids))
+        job.metrics.observe_gaps(job.timer.tokens(len(ids)))
         piece = out.add(ids)
         finish = event.finish_reason
         if out.stopped:

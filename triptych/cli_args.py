@@ -87,9 +87,18 @@ def add_instance_cpus(p: argparse.ArgumentParser, help: str, default: float | No
 PRIORITY_HELP = "weight of each capped instance per CPU of quota (see bench neighbours)"
 
 
-def add_priority(p: argparse.ArgumentParser, help: str = PRIORITY_HELP) -> None:
+def add_priority(p: argparse.ArgumentParser, help: str = PRIORITY_HELP, default: float | None = 1.0) -> None:
     """The weight (cgroup cpu.weight / shares) of a capped instance: see bench neighbours."""
-    p.add_argument("--priority", type=cpus, default=1.0, metavar="K", help=help)
+    p.add_argument("--priority", type=cpus, default=default, metavar="K", help=help)
+
+
+PERIOD_HELP = ("the quota's CFS period: short, so a capped instance is a uniformly slower device "
+               "rather than one that stalls most of each 100 ms (cpu_quota.py)")
+
+
+def add_cpu_period(p: argparse.ArgumentParser, default: float | None = 10.0, help: str = PERIOD_HELP) -> None:
+    """--instance-cpu-period-ms: the CPU quota's CFS period."""
+    p.add_argument("--instance-cpu-period-ms", type=float, default=default, metavar="MS", help=help)
 
 
 def add_log_dir(p: argparse.ArgumentParser, help: str | None = None) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 
 from triptych.cli_args import (
+    PRIORITY_HELP,
     add_client_api_key,
     add_compile_decode,
+    add_cpu_period,
     add_image_size,
     add_instance_cpus,
     add_json,
@@ -45,11 +47,13 @@ def _add_topologies(p: argparse.ArgumentParser, default: str | None, help: str |
     p.add_argument("--topologies", default=default, help=help)
 
 
-def _add_capped_instances(p: argparse.ArgumentParser) -> None:
-    """Every instance of the benchmark's local deployments under a CPU quota (half a CPU
-    unless given) and its weight: simulate-validate and autoscale-shift run the same way."""
-    add_instance_cpus(p, QUOTA_HELP, 0.5)
-    add_priority(p)
+def _add_capped_instances(p: argparse.ArgumentParser, cpus: float | None = 0.5, cpus_help: str = QUOTA_HELP,
+                          priority: float | None = 1.0, priority_help: str = PRIORITY_HELP) -> None:
+    """Every instance of the benchmark's local deployments under a CPU quota, its CFS
+    period and its weight: simulate-validate and autoscale-shift run the same way."""
+    add_instance_cpus(p, cpus_help, cpus)
+    add_cpu_period(p)
+    add_priority(p, priority_help, priority)
 
 
 def _add_local_run_report(p: argparse.ArgumentParser) -> None:
@@ -199,11 +203,14 @@ def _add_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
                         help="serve --autoscale vs static under a workload shift (SLO attainment, lost requests)")
     add_model(a)
     add_topology(a, "2E1P1D")
-    _add_capped_instances(a)
-    a.add_argument("--rate", type=float, default=2.0, help="requests/s in both phases")
-    a.add_argument("--phase-seconds", type=float, default=40.0, help="length of each phase")
+    _add_capped_instances(a, None, QUOTA_HELP + "; default: 0.5 (text), 0.25 (outputs)",
+                          None, PRIORITY_HELP + "; default: 1 (text), 16 (outputs)")
+    a.add_argument("--rate", type=float, default=None, help="requests/s in both phases; default: 2 (text), "
+                   "1.5 (outputs)")
+    a.add_argument("--phase-seconds", type=float, default=None, help="length of each phase; default: 40 (text), "
+                   "30 (outputs)")
     a.add_argument("--after-seconds", type=float, default=None,
-                   help="length of the phase after the shift (default: --phase-seconds)")
+                   help="length of the phase after the shift; default: --phase-seconds (text), 120 (outputs)")
     add_image_size(a, [224, 224])
     a.add_argument("--shift", choices=("text", "outputs"), default="text",
                    help="text: image requests -> long text-only prompts (prefill bottleneck); outputs: "
@@ -216,7 +223,8 @@ def _add_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
     a.add_argument("--after-prompt", type=int, default=None,
                    help="text tokens after the shift; default: 800 (text), --before-prompt (outputs)")
     a.add_argument("--after-output", type=int, default=None, help="default: 16 (text), 500 (outputs)")
-    add_slos(a, 1.0, 0.2)
+    a.add_argument("--ttft-slo", type=float, default=1.0)
+    a.add_argument("--tbt-slo", type=float, default=None, help="default: 0.2 (text), 0.05 (outputs)")
     a.add_argument("--interval", type=float, default=2.0, help="planner: seconds between decisions")
     a.add_argument("--sustain", type=int, default=2, help="planner: snapshots a trigger must hold")
     a.add_argument("--role-switch-cooldown", type=float, default=15.0)

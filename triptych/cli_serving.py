@@ -11,6 +11,7 @@ from triptych.cli_args import (
     add_admin_token_file,
     add_allow_no_api_key,
     add_compile_decode,
+    add_cpu_period,
     add_device,
     add_dtype,
     add_gpu,
@@ -139,6 +140,8 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     add_allow_no_api_key(p)
     add_instance_cpus(p, "cap every instance at X CPUs (its own cgroup, ceil(X) torch threads); "
                          "without root or a cpu controller it says so and runs uncapped")
+    add_cpu_period(p, None, "with --instance-cpus: the quota's CFS period (default: the kernel's 100 ms; "
+                            "a short one, e.g. 10, makes an instance a uniformly slower device)")
     p.add_argument("--autoscale", action="store_true", help="also run the planner (triptych autoscale)")
     p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")
     p.add_argument("--autoscale-standby", type=int, default=0,

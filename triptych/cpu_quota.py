@@ -39,7 +39,14 @@ from pathlib import Path
 
 DEFAULT_ROOT = Path("/sys/fs/cgroup")
 TOP = "triptych"
-PERIOD_US = 100_000
+PERIOD_US = 100_000  # the kernel's default CFS period
+# A short period (`period_us`) makes a capped instance a uniformly slower device: under
+# the default 100 ms, an instance at 0.25 CPU runs flat out for 25 ms and then stalls for
+# 75 ms, so a request of a few ms of work finishes at once or 75 ms later depending on
+# where in the period it lands; its latency then measures the period's phase, not the
+# instance's capacity (the simulator validation's p90s were that noise). At 10 ms the
+# stalls are 7.5 ms and a request's work spans several periods.
+MIN_PERIOD_US, MAX_PERIOD_US = 1_000, 1_000_000
 MIN_QUOTA_US = 1_000  # the kernel refuses cfs quotas under 1 ms
 # Control files we write. On cgroupfs they come and go with the directory; on an ordinary
 # directory (a stand-in tree in tests) they are plain files that must go before rmdir.
@@ -75,10 +82,22 @@ def detect(root: Path | None = None) -> Layout:
                            f"cgroup.controllers nor a v1 cpu hierarchy with cpu.cfs_quota_us)")
 
 
-def quota_us(cpus: float) -> int:
+def quota_us(cpus: float, period_us: int = PERIOD_US) -> int:
     if not cpus > 0 or math.isinf(cpus):
         raise ValueError(f"a CPU share must be a positive number of CPUs, got {cpus}")
-    return max(MIN_QUOTA_US, round(cpus * PERIOD_US))
+    return max(MIN_QUOTA_US, round(cpus * period_us))
+
+
+def check_period_us(period_us: int, cpus: float | None = None) -> int:
+    """A CFS period the kernel takes (1 ms - 1 s) whose quota at `cpus` is not raised to
+    the 1 ms floor (which would grant more than `cpus`)."""
+    if not MIN_PERIOD_US <= period_us <= MAX_PERIOD_US:
+        raise ValueError(f"a quota period must be {MIN_PERIOD_US // 1000}-{MAX_PERIOD_US // 1000} ms, "
+                         f"got {period_us / 1000:g} ms")
+    if cpus is not None and cpus * period_us < MIN_QUOTA_US:
+        raise ValueError(f"a period of {period_us / 1000:g} ms gives {cpus:g} CPUs a quota under the "
+                         f"kernel's 1 ms floor; use at least {math.ceil(MIN_QUOTA_US / cpus / 1000)} ms")
+    return period_us
 
 
 def threads_for(cpus: float) -> int:
@@ -139,6 +158,7 @@ class DeploymentGroups:
     layout: Layout
     deployment_id: str
     priority: float = 1.0  # weight multiplier: >1 lets the quota, not other load, bound a group
+    period_us: int = PERIOD_US  # the CFS period each group's quota is granted per
 
     @property
     def prefix(self) -> str:
@@ -146,11 +166,12 @@ class DeploymentGroups:
 
     @classmethod
     def create(cls, deployment_id: str | None = None, root: Path | None = None,
-               priority: float = 1.0) -> DeploymentGroups:
+               priority: float = 1.0, period_us: int = PERIOD_US) -> DeploymentGroups:
         if not 0 < priority < math.inf:
             raise ValueError(f"priority must be a positive number, got {priority}")
+        check_period_us(period_us)
         layout = detect(root)
-        groups = cls(layout, deployment_id or new_deployment_id(), priority)
+        groups = cls(layout, deployment_id or new_deployment_id(), priority, period_us)
         if layout.version == 2:
             _write(layout.base / "cgroup.subtree_control", "+cpu")
         groups.sweep_stale()
@@ -173,13 +194,31 @@ class DeploymentGroups:
             path.mkdir(exist_ok=True)
         except OSError as exc:
             raise QuotaUnavailable(f"cannot create {path}: {exc.strerror or exc}") from exc
-        quota = quota_us(cpus)
+        quota = quota_us(cpus, self.period_us)
         if self.layout.version == 2:
-            _write(path / "cpu.max", f"{quota} {PERIOD_US}")
+            _write(path / "cpu.max", f"{quota} {self.period_us}")
             _write(path / "cpu.weight", str(min(10_000, max(1, round(100 * cpus * self.priority)))))
         else:
-            _write(path / "cpu.cfs_period_us", str(PERIOD_US))
+            _write(path / "cpu.cfs_period_us", str(self.period_us))
             _write(path / "cpu.cfs_quota_us", str(quota))
+            _write(path / "cpu.shares", str(min(262_144, max(2, round(1024 * cpus * self.priority)))))
+        return path
+
+    def add_uncapped(self, name: str, cpus: float = 1.0) -> Path:
+        """A group with no quota that weighs like `cpus` busy CPUs times the priority: for
+        the router, which the model of a deployment treats as latency, not capacity. On a
+        machine loaded by other processes it would otherwise wait behind them (at the
+        default weight) while the instances it feeds are protected by theirs."""
+        path = self.group(name)
+        try:
+            path.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise QuotaUnavailable(f"cannot create {path}: {exc.strerror or exc}") from exc
+        if self.layout.version == 2:
+            _write(path / "cpu.max", f"max {self.period_us}")
+            _write(path / "cpu.weight", str(min(10_000, max(1, round(100 * cpus * self.priority)))))
+        else:
+            _write(path / "cpu.cfs_quota_us", "-1")
             _write(path / "cpu.shares", str(min(262_144, max(2, round(1024 * cpus * self.priority)))))
         return path
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from triptych.cpu_quota import DeploymentGroups, QuotaUnavailable, threads_for
+from triptych.cpu_quota import PERIOD_US, DeploymentGroups, QuotaUnavailable, check_period_us, threads_for
 from triptych.http_ready import answers_ok
 from triptych.topology import UNASSIGNED, InstanceType, parse_topology
 
@@ -97,6 +97,7 @@ class LocalDeployment:
     log_dir: Path | None = None
     instance_cpus: float | None = None  # CPU quota per instance (cgroup); None: share the machine
     cpu_priority: float = 1.0  # weight of a capped instance per CPU of quota, in busy tasks
+    cpu_period_ms: float | None = None  # the quota's CFS period (None: the kernel's 100 ms; cpu_quota.py)
     processes: list[Process] = field(default_factory=list)
     quota: DeploymentGroups | None = None  # the instances' cgroups, while running with quotas
     quota_error: str | None = None  # why --instance-cpus runs without quotas
@@ -145,7 +146,9 @@ class LocalDeployment:
             raise ValueError(f"--instance-cpus must be > 0, got {self.instance_cpus}")
         groups = None
         try:
-            groups = DeploymentGroups.create(priority=self.cpu_priority)
+            period = round(self.cpu_period_ms * 1000) if self.cpu_period_ms else PERIOD_US
+            check_period_us(period, self.instance_cpus)
+            groups = DeploymentGroups.create(priority=self.cpu_priority, period_us=period)
             for name in self._instance_names():
                 groups.add_instance(name, self.instance_cpus)
             self.quota = groups
@@ -159,11 +162,17 @@ class LocalDeployment:
 
     def _preexec_for(self, name: str) -> Callable[[], None] | None:
         """Join the instance's group in the child before exec, so that everything it runs
-        or spawns is inside from its first instruction."""
+        or spawns is inside from its first instruction. The router (with a priority above
+        1) joins an uncapped group of that weight, so other load does not slow the hops."""
         if self.quota is None or self.instance_cpus is None:
             return None
         try:
-            procs = self.quota.add_instance(name, self.instance_cpus) / "cgroup.procs"
+            if name == "router":
+                if self.cpu_priority <= 1:
+                    return None
+                procs = self.quota.add_uncapped(name) / "cgroup.procs"
+            else:
+                procs = self.quota.add_instance(name, self.instance_cpus) / "cgroup.procs"
         except QuotaUnavailable as exc:
             raise StartupError(f"{name}: {exc}") from exc
 
@@ -182,7 +191,7 @@ class LocalDeployment:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "wb")
         cmd = [sys.executable, "-m", "triptych.cli", *args]
-        preexec = self._preexec_for(name) if capped else None
+        preexec = self._preexec_for(name) if capped or name == "router" else None
         popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                  preexec_fn=preexec)
         return Process(name=name, url=f"http://{self.host}:{port}", popen=popen)
@@ -329,6 +338,7 @@ def cli_main(args: argparse.Namespace) -> int:
         extra_roles=(["unassigned"] * args.autoscale_standby
                      + [InstanceType.V.value] * getattr(args, "autoscale_video_standby", 0)) if autoscale else [],
         instance_cpus=getattr(args, "instance_cpus", None),
+        cpu_period_ms=getattr(args, "instance_cpu_period_ms", None),
     )
     stopping = False
 

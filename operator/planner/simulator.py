@@ -49,8 +49,10 @@ class SimConfig(BaseModel):
     request_work_s: dict[str, float] = Field(default_factory=dict, description="per instance type: busy time "
                                              "an instance spends on each request it takes on besides its steps "
                                              "(the stage run's HTTP, decoding, transfers)")
-    ttft_overhead_s: float = Field(0.0, ge=0, description="fixed time each request spends outside the "
-                                   "instances before its first token (HTTP hops, SSE): added to TTFT and E2E")
+    ttft_overhead_s: float = Field(0.0, description="fixed time each request spends outside the "
+                                   "instances before its first token (HTTP hops, SSE): added to TTFT and E2E; "
+                                   "negative: request work (request_work_s) that the simulator charges "
+                                   "before a request's first token and the served path does after it")
 
 
 class SimReport(BaseModel):
@@ -255,7 +257,7 @@ class Simulation:
         n = len(self.requests)
         met = sum(1 for r in done if not r.missed)
         extra = self.cfg.ttft_overhead_s
-        ttft = sorted(r.first_token - r.arrival + extra for r in done if r.first_token is not None)
+        ttft = sorted(max(0.0, r.first_token - r.arrival + extra) for r in done if r.first_token is not None)
         tpot = sorted((r.finish - r.first_token) / (r.output_tokens - 1) for r in done
                       if r.first_token is not None and r.output_tokens > 1)
         e2e = sorted(r.finish - r.arrival + extra for r in done)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from triptych.bench.autoscale_shift import format_report, planner_args, shift_trace
-from triptych.bench.sim_validate import error_pct, fit_overheads, format_table, with_template
+from triptych.bench.sim_validate import Calibration, error_pct, fit_overheads, format_table, with_template
 from triptych.cli import build_parser, main
 from triptych.operator.planner.model_shape import read_shape
 from triptych.operator.planner.roofline import roofline_profile
@@ -60,27 +60,53 @@ def test_error_is_signed_relative_to_the_measurement() -> None:
     assert error_pct(None, 0.1) is None and error_pct(0.1, 0.0) is None
 
 
-def test_fitted_overheads_make_the_lone_request_match() -> None:
+def cal(ttft: float, tpot: float, burst_tpot: float, cpu: dict[str, float] | None = None) -> Calibration:
+    return Calibration(ttft_s=ttft, tpot_s=tpot, burst_tpot_s=burst_tpot, burst=4, cpu_s=cpu or {},
+                       template_tokens=20)
+
+
+def test_fitted_overheads_make_the_lone_request_and_the_burst_match() -> None:
     model = tiny_model_path("qwen2-vl")
     profile = roofline_profile(read_shape(model), "H100")
     topo = parse_topology("1E1P1D")
     lone = with_template([TraceRequest(t=0, images=[(224, 224)], prompt_tokens=30, output_tokens=9)], 20)
+    burst = [lone[0]] * 4
     assert lone[0].prompt_tokens == 50
     cfg = SimConfig()
-    fit = fit_overheads(topo, profile, lone, cfg, ttft=0.08, tpot=0.006)
+    # A burst of 4 decodes only a little slower than one: most of the served path's cost
+    # per token is per step (shared by the batch), the rest per request.
+    fit = fit_overheads(topo, profile, lone, cfg, cal(0.08, 0.006, 0.0075), fit_request_work=False)
     assert fit.cfg.request_work_s == {}
+    assert fit.profile.step_overhead_s > 0 and fit.profile.decode_token_overhead_s > 0
     sim = simulate(topo, fit.profile, lone, fit.cfg)
-    assert sim.tpot_p50_s == pytest.approx(0.006, rel=1e-6)
+    assert sim.tpot_p50_s == pytest.approx(0.006, rel=0.01)
+    assert simulate(topo, fit.profile, burst, fit.cfg).tpot_p50_s == pytest.approx(0.0075, rel=0.02)
     assert sim.ttft_p50_s == pytest.approx(0.08, rel=1e-6)
-    # With each type's CPU per lone request: what its steps do not use is request work,
-    # twice as long at half a CPU; the TPOT and TTFT of the lone request still match.
+    # A burst as fast as one request: all of it per step.
+    fit = fit_overheads(topo, profile, lone, cfg, cal(0.08, 0.006, 0.006), fit_request_work=False)
+    assert fit.profile.decode_token_overhead_s == pytest.approx(0.0, abs=2e-5)
+    assert simulate(topo, fit.profile, lone, fit.cfg).tpot_p50_s == pytest.approx(0.006, rel=0.01)
+    # A burst 4x as slow: all of it per request (the per-step share is clamped at 0).
+    fit = fit_overheads(topo, profile, lone, cfg, cal(0.08, 0.006, 0.03), fit_request_work=False)
+    assert fit.profile.step_overhead_s == 0.0 and fit.profile.decode_token_overhead_s > 0
+    assert simulate(topo, fit.profile, lone, fit.cfg).tpot_p50_s == pytest.approx(0.006, rel=0.01)
+
+
+def test_request_work_is_cpu_at_the_quota_beyond_the_steps() -> None:
+    # The profile is measured at the quota, so its steps are wall time at X CPUs: a type's
+    # CPU seconds per lone request take 1/X as long; what its steps do not cover is
+    # request work. The lone request's TPOT and TTFT still match.
+    profile = roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100")
+    topo = parse_topology("1E1P1D")
+    lone = with_template([TraceRequest(t=0, images=[(224, 224)], prompt_tokens=30, output_tokens=9)], 20)
+    cfg = SimConfig()
     cpu = {"E": 0.01, "P": 0.012, "D": 0.01}
-    fit = fit_overheads(topo, profile, lone, cfg, ttft=0.08, tpot=0.006, cpu_s=cpu, instance_cpus=0.5)
+    fit = fit_overheads(topo, profile, lone, cfg, cal(0.08, 0.006, 0.0075, cpu), instance_cpus=0.5)
     steps = Simulation(topo, fit.profile, cfg)
     steps.run(lone)
     for inst in steps.instances:
-        want = max(0.0, cpu[inst.kind.value] - inst.busy_time) * 2
-        assert fit.cfg.request_work_s[inst.kind.value] == pytest.approx(want, rel=0.02, abs=1e-6)
+        want = max(0.0, cpu[inst.kind.value] * 2 - inst.busy_time)
+        assert fit.cfg.request_work_s[inst.kind.value] == pytest.approx(want, rel=0.05, abs=1e-5)
     assert fit.cfg.request_work_s["E"] > 0 and fit.cfg.request_work_s["P"] > 0
     sim = simulate(topo, fit.profile, lone, fit.cfg)
     assert sim.tpot_p50_s == pytest.approx(0.006, rel=0.02) and sim.ttft_p50_s == pytest.approx(0.08, rel=1e-6)
@@ -125,3 +151,16 @@ def test_autoscale_shift_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         assert r["lost"] == 0 and r["before"]["requests"] == r["after"]["requests"] == 3
     assert runs["autoscale"]["planner"]["decisions"] >= 1 and runs["static"]["planner"] is None
     assert runs["autoscale"]["planner"]["counts"] == {"E": 1, "P": 1, "D": 1}  # 1E1P1D: nothing may move
+
+
+def test_ttft_overhead_goes_negative_when_request_work_would_delay_the_first_token() -> None:
+    # Request work is charged up front, but a prefilling instance's share partly comes after
+    # the first token (serving the KV pull): a lone TTFT shorter than the steps plus that
+    # work gives a negative overhead, at most the prefilling types' request work.
+    profile = roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100")
+    topo = parse_topology("1E1P1D")
+    lone = with_template([TraceRequest(t=0, images=[(224, 224)], prompt_tokens=30, output_tokens=9)], 20)
+    cpu = {"E": 0.01, "P": 0.02, "D": 0.01}
+    fit = fit_overheads(topo, profile, lone, SimConfig(), cal(0.03, 0.006, 0.0075, cpu), instance_cpus=0.5)
+    assert -fit.cfg.request_work_s["P"] <= fit.cfg.ttft_overhead_s < 0
+    assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s == pytest.approx(0.03, rel=1e-6)

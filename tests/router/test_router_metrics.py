@@ -46,3 +46,18 @@ def test_attainment_gauge_and_counters() -> None:
     assert m.slo_requests.labels("m", "missed")._value.get() == 3
     assert m.slo_attainment.labels("m")._value.get() == 0.25  # last 4: 3.0, 0.5, 3.0, 3.0
     assert m.tpot.labels("m")._sum.get() == pytest.approx(6 * 0.05)
+
+
+def test_token_gaps_reach_the_tbt_histogram_as_they_happen() -> None:
+    # The planner's decode signal reads TBT over its last interval: a request still
+    # decoding must show its gaps before it ends (not one request's duration later).
+    m = FrontendMetrics("m", ttft_slo_s=1.0, tbt_slo_s=0.1)
+    t = RequestTimer(start=0.0)
+    assert t.tokens(1, now=0.2) == []
+    m.observe_gaps(t.tokens(2, now=0.5))
+    tbt = m.tbt.labels("m")
+    assert tbt._sum.get() == pytest.approx(0.3)
+    assert sum(b.get() for b in tbt._buckets) == 2  # the gap and the token that came with it
+    m.observe_gaps(t.tokens(1, now=0.9))
+    m.record_completion(t)  # completion adds no gap twice
+    assert sum(b.get() for b in tbt._buckets) == 3 and tbt._sum.get() == pytest.approx(0.7)

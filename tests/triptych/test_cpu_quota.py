@@ -13,7 +13,15 @@ import pytest
 
 from triptych import cpu_quota
 from triptych.bench.idle_cpu import cpu_seconds
-from triptych.cpu_quota import DeploymentGroups, Layout, QuotaUnavailable, detect, quota_us, threads_for
+from triptych.cpu_quota import (
+    DeploymentGroups,
+    Layout,
+    QuotaUnavailable,
+    check_period_us,
+    detect,
+    quota_us,
+    threads_for,
+)
 
 
 def v2_root(tmp_path: Path) -> Path:
@@ -75,6 +83,27 @@ def test_v1_layout_writes_cfs_quota_and_shares(tmp_path: Path) -> None:
     groups.move(os.getpid(), "worker-EPD-0")  # a stand-in lists it; the kernel does not: never killed
     assert groups.remove() == []
     assert sorted(p.name for p in (root / "cpu").iterdir()) == ["cpu.cfs_quota_us"]
+
+
+def test_a_short_period_scales_the_quota_and_an_uncapped_group_only_weighs(tmp_path: Path) -> None:
+    root = v2_root(tmp_path)
+    groups = DeploymentGroups.create("123-abc", root, priority=4, period_us=10_000)
+    g = groups.add_instance("worker-D-0", 0.25)
+    assert (g / "cpu.max").read_text() == "2500 10000" and (g / "cpu.weight").read_text() == "100"
+    r = groups.add_uncapped("router")
+    assert (r / "cpu.max").read_text() == "max 10000" and (r / "cpu.weight").read_text() == "400"
+    assert groups.remove() == []
+    (tmp_path / "v1").mkdir()
+    v1 = DeploymentGroups.create("123-abc", v1_root(tmp_path / "v1"), period_us=20_000)
+    g = v1.add_instance("worker-E-0", 0.5)
+    assert (g / "cpu.cfs_period_us").read_text() == "20000" and (g / "cpu.cfs_quota_us").read_text() == "10000"
+    assert (v1.add_uncapped("router") / "cpu.cfs_quota_us").read_text() == "-1"
+    assert v1.remove() == []
+    with pytest.raises(ValueError):
+        DeploymentGroups.create("x", root, period_us=500)  # under the kernel's 1 ms
+    with pytest.raises(ValueError, match="at least 4 ms"):
+        check_period_us(2_000, 0.25)  # a 0.5 ms quota would be raised to 1 ms: half a CPU
+    assert check_period_us(10_000, 0.25) == 10_000
 
 
 def test_priority_multiplies_the_weight_only(tmp_path: Path) -> None:

@@ -38,11 +38,20 @@ from triptych.operator.planner.workload import TraceRequest, WorkloadSpec, fixed
 
 SHIFT_DEFAULTS = {
     # image requests -> long text-only prompts: prefill is the bottleneck, the encoders idle
-    "text": {"before_images": 2, "before_output": 16, "after_images": 0, "after_prompt": 800, "after_output": 16},
+    "text": {"before_images": 2, "before_output": 16, "after_images": 0, "after_prompt": 800, "after_output": 16,
+             "rate": 2.0, "tbt_slo": 0.2, "instance_cpus": 0.5, "priority": 1.0, "phase_seconds": 40.0,
+             "after_seconds": None},
     # EPDServe Table 6: the same requests, outputs 50 -> 500 tokens: decode is the
-    # bottleneck, and it shows as slower tokens, not as a queue (operator/planner/policy.py)
+    # bottleneck, and it shows as slower tokens, not as a queue (operator/planner/policy.py).
+    # Sized so that the shift overloads the one D (2E1P1D at 0.25 CPU each, 1 CPU in all):
+    # at 1.5 req/s x 500 tokens the D is asked for 750 tokens/s, more than it decodes at
+    # 0.25 CPU (each decode in its batch costs it ~1.5 ms a step), so its batch and TPOT
+    # grow for as long as the phase lasts; two Ds at 375 tokens/s each keep TPOT near
+    # 20 ms, under the 50 ms TBT SLO. The after phase lasts long enough (120 s) for a move
+    # and the decodes seated before it (10 s or more each) to play out.
     "outputs": {"before_images": 1, "before_output": 50, "after_images": None, "after_prompt": None,
-                "after_output": 500},
+                "after_output": 500, "rate": 1.5, "tbt_slo": 0.05, "instance_cpus": 0.25, "priority": 16.0,
+                "phase_seconds": 30.0, "after_seconds": 120.0},
 }
 
 
@@ -51,7 +60,9 @@ def resolve_shift(args: argparse.Namespace) -> argparse.Namespace:
     before the shift)."""
     for key, value in SHIFT_DEFAULTS[getattr(args, "shift", "text")].items():
         if getattr(args, key, None) is None:
-            setattr(args, key, value if value is not None else getattr(args, key.replace("after_", "before_")))
+            if value is None and key.startswith("after_") and hasattr(args, key.replace("after_", "before_")):
+                value = getattr(args, key.replace("after_", "before_"))
+            setattr(args, key, value)
     return args
 
 
@@ -71,6 +82,7 @@ def shift_trace(args: argparse.Namespace) -> tuple[list[TraceRequest], int]:
 
 
 def planner_args(args: argparse.Namespace) -> list[str]:
+    resolve_shift(args)
     return ["--interval", str(args.interval), "--sustain", str(args.sustain),
             "--role-switch-cooldown", str(args.role_switch_cooldown),
             "--max-queue-per-instance", str(args.max_queue_per_instance), "--no-encoder-scaling",
@@ -146,7 +158,8 @@ def run_once(args: argparse.Namespace, trace: list[TraceRequest], n_before: int,
     mode = "autoscale" if autoscale else "static"
     dep = LocalDeployment(model=resolve_model(args.model), topology=parse_topology(args.topology),
                           transfer_require=args.transfer_require, instance_cpus=args.instance_cpus,
-                          cpu_priority=args.priority, admin_token=token,
+                          cpu_priority=args.priority, cpu_period_ms=args.instance_cpu_period_ms,
+                          admin_token=token,
                           router_args=["--admin-token-file", str(token_file)],
                           log_dir=Path(args.log_dir) / mode if args.log_dir else None)
     slo = SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo)

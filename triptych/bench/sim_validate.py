@@ -50,12 +50,13 @@ from triptych.bench.workload import Workload
 from triptych.operator.planner.profile import StepProfile
 from triptych.operator.planner.simulator import SimConfig, simulate
 from triptych.operator.planner.workload import TraceRequest, WorkloadSpec, fixed, generate
-from triptych.topology import InstanceType
+from triptych.topology import InstanceType, Stage
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
 
 
-def measure_profile(model_dir: Path, out: Path, cpus: float | None, priority: float) -> StepProfile:
+def measure_profile(model_dir: Path, out: Path, cpus: float | None, priority: float,
+                    period_ms: float | None = None) -> StepProfile:
     """`triptych profile` in a subprocess, inside a cgroup of `cpus` CPUs when given (the
     instances' capacity: a profile measured on the whole machine would be too fast)."""
     from triptych.cpu_quota import DeploymentGroups, QuotaUnavailable, threads_for
@@ -64,7 +65,7 @@ def measure_profile(model_dir: Path, out: Path, cpus: float | None, priority: fl
     threads = threads_for(cpus) if cpus else 1
     if cpus:
         try:
-            groups = DeploymentGroups.create(priority=priority)
+            groups = DeploymentGroups.create(priority=priority, period_us=round((period_ms or 100) * 1000))
             groups.add_instance("profile", cpus)
         except (QuotaUnavailable, OSError) as exc:
             progress(f"warning: profiling WITHOUT a CPU quota ({exc})")
@@ -100,27 +101,58 @@ def error_pct(sim: float | None, real: float | None) -> float | None:
     return 100.0 * (sim - real) / real
 
 
-async def lone_request(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
-                       repeats: int = 9) -> tuple[float, float, dict[str, float], int]:
-    """Median TTFT and TPOT of a lone request shaped like the trace's first (after one
-    warm-up), the CPU seconds the instances of each type (`pids` by type) spent per such
-    request, and the template tokens the served model adds to a prompt."""
+@dataclass
+class Calibration:
+    """What a served request costs beyond the profile's steps, measured before the load."""
+
+    ttft_s: float  # median TTFT of a lone request
+    tpot_s: float  # its median TPOT
+    burst_tpot_s: float  # median TPOT of `burst` identical requests sent at once
+    burst: int
+    cpu_s: dict[str, float]  # CPU seconds per lone request, by instance type
+    template_tokens: int
+
+
+async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
+                             repeats: int = 9, burst: int = 4, burst_repeats: int = 3,
+                             pause_s: float = 0.5) -> Calibration:
+    """Lone requests shaped like the trace's first (one warm-up, then `repeats` timed; no
+    queueing): their median TTFT and TPOT and the CPU seconds the instances of each type
+    (`pids` by type) spent per request; then `burst_repeats` bursts of `burst` of them sent
+    at once, for the TPOT of a decode batch of `burst` (what splits the served path's cost
+    per token into a part per step, which a batch shares, and a part per request). Each
+    starts `pause_s` after the last ended: sent back to back, a request would meet its
+    predecessor's tail (the release of its hand-overs) on the instances and time that too,
+    which requests of a trace at a moderate rate do not."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
         model, ends = await discover(client, url, [], {})
         scale = await calibrate(client, url, model, {})
-        bodies = trace_bodies([trace[0]] * (repeats + 1), model, seed=99, scale=scale)
+        bodies = trace_bodies([trace[0]] * (repeats + 1 + burst * burst_repeats), model, seed=99, scale=scale)
+        endpoint = f"{url}/v1/chat/completions"
         ttfts, tpots = [], []
         cpu0: dict[str, float] = {}
-        for i, body in enumerate(bodies):
+        for i, body in enumerate(bodies[:repeats + 1]):
             if i == 1:  # after the warm-up
                 cpu0 = {name: sum(cpu_seconds(p) for p in ps) for name, ps in pids.items()}
-            r = await send_request(client, f"{url}/v1/chat/completions", body, 120.0)
+            await asyncio.sleep(pause_s)  # what the last request left (its hand-overs' release) is done
+            r = await send_request(client, endpoint, body, 120.0)
             if not r.ok or r.ttft is None:
                 raise BenchError(f"lone request failed: {r.error}")
             ttfts.append(r.ttft)
             tpots.append(r.tpot or 0.0)
         cpu = {name: (sum(cpu_seconds(p) for p in ps) - cpu0[name]) / repeats for name, ps in pids.items()}
-    return statistics.median(ttfts[1:]), statistics.median(tpots[1:]), cpu, scale.template_tokens
+        burst_tpots = []
+        rest = bodies[repeats + 1:]
+        for k in range(burst_repeats):
+            await asyncio.sleep(pause_s)
+            results = await asyncio.gather(*(send_request(client, endpoint, b, 120.0)
+                                             for b in rest[k * burst:(k + 1) * burst]))
+            if not all(r.ok for r in results):
+                raise BenchError(f"burst request failed: {[r.error for r in results if not r.ok][0]}")
+            burst_tpots += [r.tpot for r in results if r.tpot is not None]
+    return Calibration(statistics.median(ttfts[1:]), statistics.median(tpots[1:]),
+                       statistics.median(burst_tpots) if burst_tpots else statistics.median(tpots[1:]),
+                       burst, cpu, scale.template_tokens)
 
 
 @dataclass
@@ -129,45 +161,102 @@ class Fitted:
     cfg: SimConfig
 
     def describe(self) -> str:
-        return (f"token overhead {self.profile.decode_token_overhead_s * 1e3:.2f} ms, request work "
+        return (f"step overhead {self.profile.step_overhead_s * 1e3:.2f} ms, token overhead "
+                f"{self.profile.decode_token_overhead_s * 1e3:.2f} ms, request work "
                 + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in self.cfg.request_work_s.items())
                 + f" ms per request, TTFT overhead "
                 f"{self.cfg.ttft_overhead_s * 1e3:.1f} ms")
 
 
-def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone: list[TraceRequest],
-                  cfg: SimConfig, ttft: float, tpot: float, cpu_s: dict[str, float] | None = None,
-                  instance_cpus: float | None = None) -> Fitted:
-    """The fixed costs the profile does not see, from a lone request (no queueing):
+def _tpot(topology: dict[InstanceType, int], profile: StepProfile, trace: list[TraceRequest],
+          cfg: SimConfig) -> float:
+    return simulate(topology, profile, trace, cfg).tpot_p50_s or 0.0
 
-    1. a cost per decoding request per step so the simulated TPOT matches: handing each
-       token out (output processing, the stage stream, the router's SSE) is work per
-       request, unlike the step's forward, which the batch shares;
-    2. with the CPU seconds per lone request of each instance type (`cpu_s`): what its
-       steps do not account for is request work that keeps the instance busy (its stage
-       run's HTTP, image decode, transfers); at a quota of X < 1 CPU it takes 1/X as long
-       in wall time under load;
+
+def fit_step_costs(topology: dict[InstanceType, int], profile: StepProfile, lone: list[TraceRequest],
+                   burst: list[TraceRequest], cfg: SimConfig, tpot: float, burst_tpot: float,
+                   rounds: int = 6) -> StepProfile:
+    """The served path's cost per decode step (`step_overhead_s`: the driver loop, the
+    step's batched output event, which a batch shares) and per decoding request per step
+    (`decode_token_overhead_s`: its token's processing and streaming) such that the
+    simulated TPOT of a lone request and of a burst of identical requests match the
+    measured ones. Simulated TPOT is nearly linear in both: Newton steps on finite
+    differences solve the 2x2 system; a share that would go negative is clamped to 0."""
+    d = 1e-3
+
+    def with_costs(step: float, token: float) -> StepProfile:
+        return profile.model_copy(update={"step_overhead_s": max(0.0, step), "decode_token_overhead_s": max(0.0, token)})
+
+    def both(p: StepProfile) -> tuple[float, float]:
+        return _tpot(topology, p, lone, cfg), _tpot(topology, p, burst, cfg)
+
+    s0, t0 = profile.step_overhead_s, profile.decode_token_overhead_s
+    for _ in range(rounds):
+        f0 = both(with_costs(s0, t0))
+        r1, r2 = tpot - f0[0], burst_tpot - f0[1]
+        if abs(r1) <= 1e-3 * tpot and abs(r2) <= 1e-3 * burst_tpot:
+            break
+        fs, ft = both(with_costs(s0 + d, t0)), both(with_costs(s0, t0 + d))
+        a, b = (fs[0] - f0[0]) / d, (ft[0] - f0[0]) / d  # d lone / d step, d lone / d token
+        c, e = (fs[1] - f0[1]) / d, (ft[1] - f0[1]) / d  # the same for the burst
+        det = a * e - b * c
+        ds, dt = ((r1 * e - b * r2) / det, (a * r2 - c * r1) / det) if abs(det) > 1e-9 else (0.0, r1 / b if b else 0.0)
+        if s0 + ds < 0:  # the burst is slower than per-request costs explain: all of it per request
+            s0, t0 = 0.0, max(0.0, t0 + (r1 + a * s0) / b) if b else t0
+        elif t0 + dt < 0:  # the burst is faster than per-step costs explain: all of it per step
+            s0, t0 = max(0.0, s0 + (r1 + b * t0) / a) if a else s0, 0.0
+        else:
+            s0, t0 = s0 + ds, t0 + dt
+    return with_costs(s0, t0)
+
+
+def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone: list[TraceRequest],
+                  cfg: SimConfig, cal: Calibration, fit_request_work: bool = True,
+                  instance_cpus: float | None = None) -> Fitted:
+    """The fixed costs the profile does not see, from the calibration requests (no queueing):
+
+    1. a cost per decode step and one per decoding request per step (`fit_step_costs`), so
+       the simulated TPOT of a lone request and of a burst match;
+    2. with `fit_request_work`: what the CPU seconds per lone request of each instance type
+       do not account for in its steps is request work that keeps the instance busy (its
+       stage run's HTTP, image decode, transfers); at a quota of X < 1 CPU it takes 1/X as
+       long in wall time;
     3. a TTFT overhead for what is left of the lone request's TTFT: the router and the
-       hops' latency, which use no instance's capacity."""
+       hops' latency, which use no instance's capacity (negative, down to minus the
+       prefilling types' request work, where that work partly follows the first token)."""
     from triptych.operator.planner.simulator import Simulation
 
     fitted = profile
+    burst = [lone[0].model_copy(update={"t": 0.0}) for _ in range(cal.burst)]
     slow = 1.0 / min(1.0, instance_cpus) if instance_cpus else 1.0
-    for _ in range(4):  # the two fits feed each other (request work lengthens a step); a few rounds settle
-        lone_sim = simulate(topology, fitted, lone, cfg)
-        per_token = max(0.0, fitted.decode_token_overhead_s + tpot - (lone_sim.tpot_p50_s or 0.0))
-        fitted = profile.model_copy(update={"decode_token_overhead_s": per_token})
-        if cpu_s is None:
+    first = True
+    for _ in range(8):  # the fits feed each other (request work lengthens a step); a few rounds settle
+        fitted = fit_step_costs(topology, fitted, lone, burst, cfg, cal.tpot_s, cal.burst_tpot_s)
+        if not fit_request_work:
             break
-        sim = Simulation(topology, fitted, cfg.model_copy(update={"request_work_s": {}}))
+        sim = Simulation(topology, fitted, cfg)
         sim.run(lone)
         busy: dict[str, float] = {}
-        for inst in sim.instances:
+        for inst in sim.instances:  # steps and request work so far
             busy[inst.kind.value] = busy.get(inst.kind.value, 0.0) + inst.busy_time
-        cfg = cfg.model_copy(update={"request_work_s": {
-            kind: max(0.0, cpu - busy.get(kind, 0.0)) * slow for kind, cpu in cpu_s.items()}})
+        # The profile was measured at the quota, so busy time is wall time at X CPUs, and
+        # the CPU seconds take 1/X as long there. Request work makes up the difference,
+        # updated rather than recomputed, so the fits settle where both the TPOT and the
+        # busy time match. A type that decodes is the exception: its busy time is pinned
+        # by the TPOT fit (request work there only displaces step costs), so its request
+        # work is what the first round leaves over, then fixed.
+        work = {kind: max(0.0, cfg.request_work_s.get(kind, 0.0) + cpu * slow - busy.get(kind, 0.0))
+                if first or not InstanceType(kind).runs(Stage.DECODE) else cfg.request_work_s.get(kind, 0.0)
+                for kind, cpu in cal.cpu_s.items()}
+        cfg = cfg.model_copy(update={"request_work_s": work})
+        first = False
     again = simulate(topology, fitted, lone, cfg)
-    return Fitted(fitted, cfg.model_copy(update={"ttft_overhead_s": max(0.0, ttft - (again.ttft_p50_s or 0.0))}))
+    # Negative when the lone request's first token came sooner than its request work
+    # charged up front allows: some of a prefilling instance's work per request (serving
+    # the KV pull) comes after the first token. At most that work.
+    after = sum(w for kind, w in cfg.request_work_s.items() if InstanceType(kind).runs(Stage.PREFILL))
+    overhead = max(-after, cal.ttft_s - (again.ttft_p50_s or 0.0))
+    return Fitted(fitted, cfg.model_copy(update={"ttft_overhead_s": overhead}))
 
 
 def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, profile: StepProfile,
@@ -177,7 +266,7 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
     sim_cfg = SimConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
     dep = LocalDeployment(model=model_dir, topology=topology, transfer_require=args.transfer_require,
                           instance_cpus=args.instance_cpus, cpu_priority=args.priority,
-                          log_dir=Path(args.log_dir) / spec if args.log_dir else None)
+                          cpu_period_ms=args.instance_cpu_period_ms, log_dir=Path(args.log_dir) / spec if args.log_dir else None)
     rows = []
     with dep:
         if args.instance_cpus and dep.quota is None:
@@ -185,15 +274,17 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
         pids: dict[str, list[int]] = {}
         for w in dep.workers:  # worker-<type>-<index>
             pids.setdefault(w.name.split("-")[1], []).append(w.popen.pid)
-        lone_ttft, lone_tpot, lone_cpu, template = asyncio.run(lone_request(dep.router_url, trace, pids))
-        sim_trace = with_template(trace, template)
+        cal = asyncio.run(calibrate_requests(dep.router_url, trace, pids))
+        lone_ttft, lone_tpot, lone_cpu = cal.ttft_s, cal.tpot_s, cal.cpu_s
+        sim_trace = with_template(trace, cal.template_tokens)
         fit = Fitted(profile, sim_cfg)
         if args.fit_overheads:
-            fit = fit_overheads(topology, profile, sim_trace[:1], sim_cfg, lone_ttft, lone_tpot,
-                                lone_cpu if args.fit_request_work else None, args.instance_cpus)
+            fit = fit_overheads(topology, profile, sim_trace[:1], sim_cfg, cal, args.fit_request_work,
+                                args.instance_cpus)
         cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in lone_cpu.items())
-        progress(f"== {spec}: lone TTFT {lone_ttft * 1e3:.1f} ms, TPOT {lone_tpot * 1e3:.2f} ms, instance CPU "
-                 f"{cpu_text} ms, template {template} tokens; fitted {fit.describe()}")
+        progress(f"== {spec}: lone TTFT {lone_ttft * 1e3:.1f} ms, TPOT {lone_tpot * 1e3:.2f} ms, burst of "
+                 f"{cal.burst} TPOT {cal.burst_tpot_s * 1e3:.2f} ms, instance CPU {cpu_text} ms, template "
+                 f"{cal.template_tokens} tokens; fitted {fit.describe()}")
         cfg = RunConfig(work=Workload(), slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), rates=list(args.rates),
                         seed=args.seed, timeout_s=args.request_timeout, warmup=0, trace=trace)
         load_before = os.getloadavg()[0]
@@ -205,6 +296,8 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
                                "num_requests": real["num_requests"], "ttft_overhead_s": fit.cfg.ttft_overhead_s,
                                "request_work_s": fit.cfg.request_work_s,
                                "decode_token_overhead_s": fit.profile.decode_token_overhead_s,
+                               "step_overhead_s": fit.profile.step_overhead_s,
+                               "burst_tpot_s": cal.burst_tpot_s,
                                "lone_ttft_s": lone_ttft,
                                "lone_tpot_s": lone_tpot, "lone_instance_cpu_s": lone_cpu,
                                "load_avg_1m": round(max(load_before, load_after), 2)}
@@ -215,22 +308,28 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
     return rows
 
 
+LABELS = {"ttft_p50_s": "TTFT p50", "ttft_p90_s": "TTFT p90", "tpot_p50_s": "TPOT p50", "tpot_p90_s": "TPOT p90"}
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = ["topology", "rate", "ok", "load1m"]
-    for m in ("TTFT50", "TTFT90", "TPOT50", "TPOT90"):
-        head += [f"{m} real", "sim", "err%"]
+    """One line per topology, rate and metric: measured, simulated (ms), error %."""
+    head = ("topology", "rate", "ok", "load1m", "metric", "measured", "simulated", "error%")
     lines = ["  ".join(f"{h:>9}" for h in head)]
     for r in rows:
-        cells = [r["topology"], fmt(float(r["rate"]), 1, 2), f"{r['completed']}/{r['num_requests']}",
-                 fmt(r["load_avg_1m"], 1, 2)]
         for m in METRICS:
-            cells += [fmt(r[f"measured_{m}"], 1e3, 1), fmt(r[f"simulated_{m}"], 1e3, 1),
-                      fmt(r[f"error_{m}"], 1, 1)]
-        lines.append("  ".join(f"{c:>9}" for c in cells))
+            cells = [r["topology"], fmt(float(r["rate"]), 1, 2), f"{r['completed']}/{r['num_requests']}",
+                     fmt(r["load_avg_1m"], 1, 2), LABELS[m], fmt(r[f"measured_{m}"], 1e3, 1),
+                     fmt(r[f"simulated_{m}"], 1e3, 1), fmt(r[f"error_{m}"], 1, 1)]
+            lines.append("  ".join(f"{c:>9}" for c in cells))
     errs = [abs(r[f"error_{m}"]) for r in rows for m in METRICS if r[f"error_{m}"] is not None]
     if errs:
-        lines.append(f"\nTTFT/TPOT in ms; err% = (sim - real) / real. Mean |err| {statistics.mean(errs):.1f}%, "
-                     f"max {max(errs):.1f}%, {sum(e <= 15 for e in errs)}/{len(errs)} within 15%.")
+        lines.append(f"\nmeasured / simulated in ms; error% = (sim - real) / real. Mean |error| "
+                     f"{statistics.mean(errs):.1f}%, max {max(errs):.1f}%, {sum(e <= 15 for e in errs)}/{len(errs)} "
+                     "within 15%.")
+        for m in METRICS:
+            part = [abs(r[f"error_{m}"]) for r in rows if r[f"error_{m}"] is not None]
+            if part:
+                lines.append(f"  {LABELS[m]}: mean |error| {statistics.mean(part):.1f}%")
     return "\n".join(lines)
 
 
@@ -251,7 +350,8 @@ def cli_main(args: argparse.Namespace) -> int:
         else:
             out = Path(args.save_profile) if args.save_profile else Path(tempfile.mkdtemp()) / "profile.json"
             progress(f"measuring a profile of {model_dir.name} at {args.instance_cpus} CPUs -> {out}")
-            profile = measure_profile(model_dir, out, args.instance_cpus, args.priority)
+            profile = measure_profile(model_dir, out, args.instance_cpus, args.priority,
+                                      args.instance_cpu_period_ms)
         trace = make_trace(args)
         rows = [row for spec, topo in topologies.items()
                 for row in run_topology(spec, topo, model_dir, profile, trace, args)]

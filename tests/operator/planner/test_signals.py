@@ -49,7 +49,7 @@ def finish(m: FrontendMetrics, ttft: float, gaps: list[float]) -> None:
     now = ttft
     for g in gaps:
         now += g
-        t.tokens(1, now=now)
+        m.observe_gaps(t.tokens(1, now=now))  # as router/streaming.py: each gap as it arrives
     m.record_completion(t)
 
 

@@ -68,6 +68,13 @@ def test_request_work_is_charged_once_per_instance_and_ttft_overhead_is_latency(
     # The overhead is outside the instances: TTFT and E2E only.
     assert report.ttft_p50_s == pytest.approx(r.first_token + 0.05)
     assert report.e2e_p50_s == pytest.approx(r.finish + 0.05)
+    # Negative: request work charged before the first token that the served path does
+    # after it; TTFT moves earlier (never below 0), the instances stay as busy.
+    early = Simulation({T.E: 1, T.P: 1, T.D: 1}, linear_profile(), cfg.model_copy(
+        update={"request_work_s": work, "ttft_overhead_s": -0.15})).run([req])
+    assert early.ttft_p50_s == pytest.approx(r.first_token - 0.15)
+    assert Simulation({T.E: 1, T.P: 1, T.D: 1}, linear_profile(), cfg.model_copy(
+        update={"ttft_overhead_s": -100.0})).run([req]).ttft_p50_s == 0.0
 
 
 def test_decode_token_overhead_is_paid_per_decoding_request() -> None:
