@@ -48,7 +48,7 @@ def test_bf16_deployment_matches_bf16_engine(tmp_path: Path) -> None:
     with servekit.start(model, "1P1D", tmp_path, dtype="bfloat16") as dep:
         dtypes = {w.name: httpx.get(f"{w.url}/health", timeout=10).json()["dtype"] for w in dep.workers}
         (got,) = asyncio.run(servekit.run_all(dep.router_url, [body]))
-        worker_stats = servekit.stats(dep)
+        worker_stats = servekit.stats_of(dep)
     assert dtypes == {"worker-P-0": "bfloat16", "worker-D-0": "bfloat16"}
     assert got["status"] == 200 and not got["error"], got
     assert got["token_ids"] == _in_process_bf16(model)
