@@ -12,7 +12,8 @@ from typing import Any
 from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
-from triptych.worker.engine.role_change import keeps_handovers
+from triptych.worker.engine.role_change import keeps_handovers, same_parts
+from triptych.worker.live_switch import await_moved_out, switch_live
 from triptych.worker.migration import MigrationService
 from triptych.worker.settings import WorkerSettings
 from triptych.worker.transfer import TransferEngine
@@ -45,6 +46,7 @@ class InstanceRuntime:
         # was pulled (seconds from the switch's start; None while one is pending).
         self.last_switch: dict[str, Any] = {}
         self._handover_task: asyncio.Task[None] | None = None
+        self.moving_out: asyncio.Task[None] | None = None  # a live switch's decodes leaving (live_switch.py)
         # Migration services (and their transfer agents) of caches a switch dropped while
         # hand-overs in them were still to be pulled (`_retire`): their leases stay live.
         self._retired: list[MigrationService] = []
@@ -89,11 +91,14 @@ class InstanceRuntime:
         async with self._switch_lock:
             if role == self.role:
                 return _report(0.0, 0.0, 0.0, 0, 0)
+            waited = await await_moved_out(self)  # the previous switch's decodes (live_switch.py)
             started = time.monotonic()
             self.switching, self.target_role = True, role
             try:
                 if self.engine is None or role == UNASSIGNED:
                     return await self._rebuild(role, started)
+                if self.settings.live_switch and same_parts(self.engine, InstanceType(role)):
+                    return {**await switch_live(self, InstanceType(role), started), "waited_s": round(waited, 6)}
                 before = dict(self.engine.scheduler.counters.as_dict())
                 # A switch that keeps the caches (P <-> D keeps the KV cache, E -> P/D the MM
                 # cache): hand-overs parked in them (migrated decodes, prefills' KV, encodes'

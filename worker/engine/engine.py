@@ -53,7 +53,7 @@ from triptych.worker.engine.request import (
     RequestStatus,
     RequestValidationError,
 )
-from triptych.worker.engine.role_change import PartsChanged, change_parts, needs_mm
+from triptych.worker.engine.role_change import PartsChanged, change_parts, needs_mm, same_parts
 from triptych.worker.engine.scheduler import Counters, QueuedWork, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,12 @@ class Engine(PulledBlocks, PreCopy):
             parked = dict(self.scheduler.parked)
             held = len(self._requests.keys() - parked.keys())
             if held or self.scheduler.has_work:
-                raise RuntimeError(f"set_role needs an idle engine; {len(self._requests)} request(s) held")
+                if not same_parts(self, role):
+                    raise RuntimeError(f"set_role needs an idle engine; {len(self._requests)} request(s) held")
+                # P <-> D with decodes still running (InstanceRuntime live switch): the engine
+                # keeps stepping them; only admission (new work) follows the new role.
+                self.role = self.config.role = self.admission.role = role
+                return PartsChanged([], [])
             if not role.needs_language:
                 # The KV cache goes: its parked hand-overs are detached from the engine (their
                 # blocks go back to that cache, which nothing allocates from again); their
@@ -146,6 +151,12 @@ class Engine(PulledBlocks, PreCopy):
         """Hand back queued work that has not started; with `migrate`, park every decode
         after its next step for another instance to pull (EPDServe §3.2.4)."""
         self._inbox.append(("offload", migrate))
+        self.driver.wake()
+
+    def park_decodes(self) -> None:
+        """Park every decode at the next step boundary (and each one after it, until
+        `migrating_out` is reset) for another instance to pull; queued work stays."""
+        self._inbox.append(("park", None))
         self.driver.wake()
 
     def _budgets(self) -> tuple[int, int]:
@@ -289,6 +300,9 @@ class Engine(PulledBlocks, PreCopy):
                 self.migrating_out = self.migrating_out or arg
                 if arg:
                     outputs.extend(self.output.park_decodes())
+            elif kind == "park":  # the decodes of a live switch's old role move out now
+                self.migrating_out = True
+                outputs.extend(self.output.park_decodes())
             elif kind == "precopy":
                 outputs.extend(self._precopy_outputs())
             elif kind in ("abort", "release"):

@@ -49,6 +49,16 @@ def keeps_handovers(engine: Engine, role: InstanceType) -> bool:
     return engine.mm is None or needs_mm(role, engine.config.keep_mm_cache) or role.needs_language
 
 
+def same_parts(engine: Engine, role: InstanceType) -> bool:
+    """Whether `role` needs exactly the parts `engine` holds (P <-> D: the same language
+    model, KV cache and — with `keep_mm_cache` — MM cache), so a change to it loads and
+    frees nothing and may happen while requests still run (`Engine.set_role`)."""
+    model = engine.model
+    keep_mm = needs_mm(role, engine.config.keep_mm_cache) or (engine.mm is not None and role.needs_language)
+    return (role.needs_vision == (model.vision is not None) and role.needs_language == (model.language is not None)
+            and (engine.kv is not None) == role.needs_language and (engine.mm is not None) == keep_mm)
+
+
 def change_parts(engine: Engine, role: InstanceType) -> PartsChanged:
     """Load what `role` needs that `engine` lacks; drop what it no longer needs."""
     from triptych.worker.models.loader import LoadedModel, load_model
