@@ -113,7 +113,7 @@ class Engine(PulledBlocks, PreCopy):
         self.output = OutputProcessor(self.scheduler, self._requests, self._known_ids, eos_ids, self.max_model_len)
         self.runner.eos_ids = self.output.eos_ids
 
-    def set_role(self, role: InstanceType) -> PartsChanged:
+    def set_role(self, role: InstanceType, preloaded: Any = None) -> PartsChanged:
         """Serve `role` from now on, in place (role_change.py): kept weights and caches stay,
         only what the new role adds or drops is loaded or freed. Needs an engine holding
         no request (the instance offloads and migrates first)."""
@@ -140,7 +140,7 @@ class Engine(PulledBlocks, PreCopy):
                     if req.handoff is not None and req.handoff.stage != Stage.ENCODE:
                         self.output.finish(req, None)
                         del parked[request_id]
-            changed = change_parts(self, role)
+            changed = change_parts(self, role, preloaded)  # preloaded: role_change.preload_parts
             self.role = self.config.role = role
             self.migrating_out = False
             self._wire(self.scheduler.counters, self.output.eos_ids)
@@ -227,6 +227,10 @@ class Engine(PulledBlocks, PreCopy):
         outputs: list[RequestOutput] = []
         with self._lock:
             self._drain_inbox(outputs)
+            if any(o.handoff is not None for o in outputs):
+                # Decodes parked at this boundary (switch, drain): their hand-overs go out
+                # now, not after one more forward of the rest; the next step follows at once.
+                return outputs
             batch = self._schedule(outputs)
         self.stalled = batch.is_empty
         sampled: Sampled = {}
