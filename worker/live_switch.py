@@ -47,7 +47,7 @@ def leaving_decodes(engine: Engine, role: InstanceType) -> list[str]:
     ids = []
     for request_id in engine.request_ids(parked=False):
         req = engine.get_request(request_id)
-        if req is not None and Stage.DECODE in req.stages:
+        if req is None or Stage.DECODE in req.stages:  # None: still in the inbox (a decode on a D)
             ids.append(request_id)
     return ids
 
@@ -58,14 +58,15 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
     assert engine is not None
     s = inst.settings
     before = dict(engine.scheduler.counters.as_dict())
+    # Neither needs the engine's next step boundary before the role changes (that would
+    # cost a step of the running decodes): the engine hands back queued work and asks its
+    # running decodes for their pre-copy there, whatever its role by then.
     engine.offload(migrate=False)  # hand back queued work not started
-    await wait_for(lambda: not engine.has_pending_inbox, s.drain_timeout_s)
-    # A run pulling its inputs lands in the engine first: a decode among them moves out with the rest.
-    await wait_for(lambda: not inst.preparing and not engine.has_pending_inbox, s.drain_timeout_s)
-    leaving = leaving_decodes(engine, role)
-    if leaving and s.precopy_timeout_s > 0:
+    if s.precopy_timeout_s > 0 and not role.runs(Stage.DECODE):
         engine.precopy()
-        await wait_for(lambda: not engine.has_pending_inbox, s.drain_timeout_s)
+    # A run pulling its inputs joins the engine first: a decode among them moves out with the rest.
+    await wait_for(lambda: not inst.preparing, s.drain_timeout_s)
+    leaving = leaving_decodes(engine, role)
     offloaded = time.monotonic()
     await asyncio.to_thread(engine.set_role, role)  # in place: same parts (role_change.same_parts)
     onloaded = time.monotonic()
