@@ -115,7 +115,7 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             # A live P <-> D switch answered before its decodes moved out: their pre-copy
             # (from the switch's start) and how many moved are in `last_switch`.
             live = bool(report.get("migrating"))
-            row = {"switch": label, "loaded": loaded, **{k: report[k] for k in
+            row = {"switch": label, "loaded": loaded, "live": live, **{k: report[k] for k in
                    ("offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back")},
                    "precopy_s": last.get("precopy_s") if live else report.get("precopy_s", 0.0),
                    **({"migrated": len(last.get("migrated_ids", []))} if live else {}),
