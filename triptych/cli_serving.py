@@ -53,6 +53,9 @@ def add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precopy-timeout", type=float, default=0.25,
                    help="a switch or drain moving decodes lets them run this long while their new instances "
                         "pre-copy their full KV blocks (live migration); 0: move them whole at once")
+    p.add_argument("--no-live-switch", action="store_true",
+                   help="a P <-> D switch answers only after its decodes moved out (the reply then times the "
+                        "whole migration), instead of as soon as the new role runs")
     add_threads(p)
     add_compile_decode(p, "torch.compile the LM's norms and SiLU gate (falls back to eager if compiling fails)")
     p.add_argument("--decode-threads", type=int, default=2,

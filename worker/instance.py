@@ -12,7 +12,8 @@ from typing import Any
 from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
-from triptych.worker.engine.role_change import keeps_handovers
+from triptych.worker.engine.role_change import keeps_handovers, preload_parts, same_parts
+from triptych.worker.live_switch import await_moved_out, switch_live
 from triptych.worker.migration import MigrationService
 from triptych.worker.settings import WorkerSettings
 from triptych.worker.transfer import TransferEngine
@@ -45,6 +46,7 @@ class InstanceRuntime:
         # was pulled (seconds from the switch's start; None while one is pending).
         self.last_switch: dict[str, Any] = {}
         self._handover_task: asyncio.Task[None] | None = None
+        self.moving_out: asyncio.Task[None] | None = None  # a live switch's decodes leaving (live_switch.py)
         # Migration services (and their transfer agents) of caches a switch dropped while
         # hand-overs in them were still to be pulled (`_retire`): their leases stay live.
         self._retired: list[MigrationService] = []
@@ -89,31 +91,45 @@ class InstanceRuntime:
         async with self._switch_lock:
             if role == self.role:
                 return _report(0.0, 0.0, 0.0, 0, 0)
+            waited = await await_moved_out(self)  # the previous switch's decodes (live_switch.py)
             started = time.monotonic()
             self.switching, self.target_role = True, role
             try:
                 if self.engine is None or role == UNASSIGNED:
                     return await self._rebuild(role, started)
+                if self.settings.live_switch and same_parts(self.engine, InstanceType(role)):
+                    return {**await switch_live(self, InstanceType(role), started), "waited_s": round(waited, 6)}
                 before = dict(self.engine.scheduler.counters.as_dict())
                 # A switch that keeps the caches (P <-> D keeps the KV cache, E -> P/D the MM
                 # cache): hand-overs parked in them (migrated decodes, prefills' KV, encodes'
                 # embeddings) need not be pulled before the new role serves; they stay under
                 # their leases and are released on confirm or expiry (`_follow_handover`).
                 keep_parked = keeps_handovers(self.engine, InstanceType(role))
-                precopy_s = await self._offload()
-                offloaded = time.monotonic()
-                moved = await self._migrate(keep_parked)
-                migrated = time.monotonic()
-                pending = self.engine.parked_ids()
-                await self._onload(InstanceType(role))
+                # The weights the new role adds load while the old role's work still runs
+                # and moves out (its decodes' pre-copy): onload then only swaps them in.
+                preload = asyncio.create_task(self._preload(InstanceType(role)))
+                try:
+                    precopy_s = await self._offload()
+                    offloaded = time.monotonic()
+                    moved = await self._migrate(keep_parked)
+                    migrated = time.monotonic()
+                    pending = self.engine.parked_ids()
+                    preloaded, preload_s = await preload
+                finally:
+                    if not preload.done():
+                        preload.cancel()
+                loaded = time.monotonic()
+                await self._onload(InstanceType(role), preloaded)
                 after = self.engine.scheduler.counters.as_dict()
                 self.role = role
                 self._follow_handover(pending, moved, started, migrated)
                 log.info("instance %s now serves role %s (in place)", self.settings.instance_id, role)
+                # onload_s: the wait for the preload to end (past the migrate phase) and the swap.
                 return {**_report(offloaded - started - precopy_s, migrated - offloaded, time.monotonic() - migrated,
                                   after["migrated_out"] - before["migrated_out"],
                                   after["handed_back"] - before["handed_back"], precopy_s),
-                        "handover_pending": len(pending)}
+                        "handover_pending": len(pending), "preload_s": round(preload_s, 6),
+                        "swap_s": round(time.monotonic() - loaded, 6)}
             finally:
                 self.switching, self.target_role = False, None
 
@@ -225,10 +241,18 @@ class InstanceRuntime:
 
         self._handover_task = asyncio.create_task(follow())
 
-    async def _onload(self, role: InstanceType) -> None:
+    async def _preload(self, role: InstanceType) -> tuple[Any, float]:
+        """The weights `role` adds, loaded off the event loop (role_change.preload_parts),
+        and the seconds that took."""
+        assert self.engine is not None
+        started = time.monotonic()
+        parts = await asyncio.to_thread(preload_parts, self.engine, role)
+        return parts, time.monotonic() - started
+
+    async def _onload(self, role: InstanceType, preloaded: Any = None) -> None:
         """Change the engine's role in place; re-register the caches it gained or lost."""
         assert self.engine is not None and self.transfer is not None and self.migration is not None
-        changed = await asyncio.to_thread(self.engine.set_role, role)
+        changed = await asyncio.to_thread(self.engine.set_role, role, preloaded)
         if changed.caches_dropped:  # a registered region's memory goes: a fresh transfer agent
             self._retire(self.transfer, self.migration)
             self.transfer, self.migration = await asyncio.to_thread(self._wire_transfer, self.engine, role)

@@ -30,6 +30,8 @@ class WorkerSettings(BaseModel):
     # Live-migration pre-copy (a switch or drain moving decodes): how long the decodes go on
     # here while their new instance pulls their full KV blocks; 0 moves them whole at once.
     precopy_timeout_s: float = 0.25
+    # P <-> D answers once the new role runs; the old decodes move out after (live_switch.py).
+    live_switch: bool = True
     compile_decode: bool = False  # EngineConfig.compile_decode
     decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
     # Image jobs (one or two per stage run with images) running or queued before stage runs
@@ -90,6 +92,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "transfer_require": args.transfer_require, "lease_seconds": args.lease_seconds,
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
         "precopy_timeout_s": getattr(args, "precopy_timeout", 0.25),
+        "live_switch": not getattr(args, "no_live_switch", False),
         "decode_threads": getattr(args, "decode_threads", 2),
         "video_decoder": getattr(args, "video_decoder", "auto"),
         "compile_decode": getattr(args, "compile_decode", False)})

@@ -128,15 +128,49 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch_a_busy_d(dep, "P")))
     d = {"instance_id": report["instance"]}
     print("D->P report:", report)
-    assert report["role"] == "P" and report["migrated"] >= 1
+    assert report["role"] == "P" and report["migrating"] >= 1
     assert set(report) >= {"offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back"}
     _assert_exact(model, cases, results)
-    assert _migrated_in(dep) - taken_over == report["migrated"]  # the other D went on with each
+    last = _last_switch(dep, report["instance"])
+    # A live switch: the reply came once the instance ran P, before its decodes moved out.
+    assert last["handover_s"] > report["total_s"] and last["precopy_s"] is not None, (report, last)
+    assert 1 <= len(last["migrated_ids"]) <= report["migrating"]
+    assert _migrated_in(dep) - taken_over == len(last["migrated_ids"])  # the other D went on with each
     time.sleep(1.5)  # the router sees the new role at its next poll
     cases = _cases(8, seed_base=3200)
     results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch(dep, d["instance_id"], "D")))
     print("P->D report:", report)
     assert report["role"] == "D"
+    _assert_exact(model, cases, results)
+    servekit.assert_no_leaks(servekit.wait_idle(dep))
+
+
+def _last_switch(dep, instance_id: str) -> dict:
+    """The instance's `/admin/stats` `last_switch`, once its moved decodes were all pulled."""
+    url = next(i["url"] for i in _instances(dep) if i["instance_id"] == instance_id)
+    deadline = time.monotonic() + 60
+    while True:
+        last = httpx.get(f"{url}/admin/stats", timeout=10, headers=ADMIN).json()["last_switch"]
+        if last.get("handover_s") is not None or time.monotonic() > deadline:
+            return last
+        time.sleep(0.05)
+
+
+def test_a_second_switch_waits_for_the_first_ones_decodes_to_move_out(epd4) -> None:
+    """D -> P answers while its decodes still move out; a P -> D asked for at once waits
+    for them (`waited_s`) and then switches: every stream exact, nothing leaked."""
+    model, dep = epd4
+    time.sleep(1.5)
+    cases = _cases(8, seed_base=3500)
+
+    def both() -> tuple[dict, dict]:
+        first = _switch_a_busy_d(dep, "P", min_running=2)
+        return first, _switch(dep, first["instance"], "D")
+
+    results, (first, second) = asyncio.run(_run_while(model, dep, cases, both))
+    print("D->P, then at once P->D:", first, second)
+    assert first["role"] == "P" and first["migrating"] >= 1
+    assert second["role"] == "D" and second["waited_s"] > 0
     _assert_exact(model, cases, results)
     servekit.assert_no_leaks(servekit.wait_idle(dep))
 
@@ -181,7 +215,7 @@ def test_n_choices_migrate_one_by_one_exactly(epd4) -> None:
     for case, got in zip(cases, results, strict=True):
         want = servekit.expected_ids(model, case)
         assert got == {0: want, 1: want, 2: want}, case.index
-    assert _migrated_in(dep) - taken_over == report["migrated"]
+    assert _migrated_in(dep) - taken_over == len(_last_switch(dep, report["instance"])["migrated_ids"]) >= 1
     time.sleep(1.5)
     _switch(dep, report["instance"], "D")
     servekit.assert_no_leaks(servekit.wait_idle(dep))

@@ -14,7 +14,7 @@ from engine_cases import make_cases, processor, to_request
 from triptych.sampling_params import SamplingParams
 from triptych.topology import InstanceType, Stage
 from triptych.worker.engine import Engine, EngineConfig, PrefilledKV, RequestStatus
-from triptych.worker.engine.request import HANDED_BACK, FinishReason
+from triptych.worker.engine.request import HANDED_BACK, FinishReason, StageNotServedError
 
 
 def _engine(model_dir: Path, role: InstanceType) -> Engine:
@@ -139,8 +139,37 @@ def test_set_role_refuses_an_engine_with_requests(qwen2_vl_dir: Path) -> None:
             if not c.images
         )
     )
-    with pytest.raises(RuntimeError, match="idle engine"):
-        e.set_role(InstanceType.P)
+    with pytest.raises(RuntimeError, match="idle engine"):  # E drops the language model it runs on
+        e.set_role(InstanceType.E)
+
+
+def test_a_live_switch_keeps_stepping_the_old_roles_decode_exactly(qwen2_vl_dir: Path) -> None:
+    """PD -> P with a decode running (the parts stay: `same_parts`): the role changes at
+    once, admission refuses new decodes, the running one goes on to the exact tokens of an
+    uninterrupted run and, parked at a step boundary (`park_decodes`), hands over
+    `generated` + `first_token` = its tokens so far; released, it frees its blocks."""
+    proc = processor(qwen2_vl_dir)
+    case = next(c for c in make_cases(8) if not c.images)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    (whole,) = _engine(qwen2_vl_dir, InstanceType.PD).generate_batch(
+        [to_request(proc, case, "w", params, stages={Stage.PREFILL, Stage.DECODE})])
+    e = _engine(qwen2_vl_dir, InstanceType.PD)
+    req = to_request(proc, case, "x", params, stages={Stage.PREFILL, Stage.DECODE})
+    _steps_until(e, req, 3)
+    changed = e.set_role(InstanceType.P)
+    assert changed.loaded == [] and changed.freed == [] and e.role == InstanceType.P
+    with pytest.raises(StageNotServedError):
+        e.add_request(to_request(proc, case, "y", params, stages={Stage.PREFILL, Stage.DECODE}))
+    while len(req.output_token_ids) < 7:
+        e.step()
+    e.park_decodes()
+    outs = e.step()
+    handoff = next(o.handoff for o in outs if o.handoff is not None)
+    assert req.status == RequestStatus.PARKED and list(e.output.moved_out) == ["x"]
+    assert handoff.generated + [handoff.first_token] == whole.output_token_ids[:len(req.output_token_ids)]
+    e.release("x")
+    e.step()
+    assert e.request_ids() == [] and e.kv.num_used == 0
 
 
 def test_a_switchable_d_to_p_allocates_nothing(qwen2_vl_dir: Path) -> None:

@@ -8,15 +8,16 @@ switch's own cost) and under `--concurrency` streaming requests (ignore_eos), wh
 D->X switch waits until the instance runs decodes, so that they migrate.
 
 `pre-copy ms` is the part of the switch during which the decodes to be moved still run
-here while their new instances pull their full KV blocks (live migration); `total ms`
-includes it. For each stream it reports how much its largest inter-token gap exceeds its mean gap
+here while their new instances pull their full KV blocks (live migration); a D/P -> E
+`total ms` includes it, while a P <-> D switch answers once the new role runs and its
+decodes move out after the reply (`last_switch.precopy_s`, from the switch's start). For each stream it reports how much its largest inter-token gap exceeds its mean gap
 (TPOT), in mean gaps ("added gaps"): a decode moved to another instance mid-stream pauses once,
 for the pull and the hop. `migrated gaps` is the maximum over the streams that moved — the
 switched instance's `/admin/stats` `last_switch.migrated_ids` names them by request id (the
 router's X-Request-Id; a decode's later hops run as `<id>.dN`) — and `max added gaps` the
 maximum over every stream of the switch. `hand-over ms`: from the switch's start until the
 last decode it parked was pulled by its new instance (`last_switch.handover_s`; a P <-> D
-switch answers once its decodes are parked and handed to the router, before that).
+switch answers before its decodes are even parked).
 """
 
 from __future__ import annotations
@@ -111,8 +112,13 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             moved = {i.split(".")[0] for i in last.get("migrated_ids", [])}
             moved_gaps = [a for a in (added_gaps(r) for r in results if r.ok and r.request_id in moved)
                           if a is not None]
-            row = {"switch": label, "loaded": loaded, "precopy_s": report.get("precopy_s", 0.0), **{k: report[k] for k in
+            # A live P <-> D switch answered before its decodes moved out: their pre-copy
+            # (from the switch's start) and how many moved are in `last_switch`.
+            live = bool(report.get("migrating"))
+            row = {"switch": label, "loaded": loaded, "live": live, **{k: report[k] for k in
                    ("offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back")},
+                   "precopy_s": last.get("precopy_s") if live else report.get("precopy_s", 0.0),
+                   **({"migrated": len(last.get("migrated_ids", []))} if live else {}),
                    "handover_s": last.get("handover_s"),
                    "requests": len(results), "failed": len(failed),
                    "max_added_gaps": round(max(added), 2) if added else None,
@@ -128,8 +134,13 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
 
 def _last_switch(client: httpx.Client, dep: Any, url: str) -> dict[str, Any]:
     """The instance's record of its last in-place switch (`/admin/stats` `last_switch`)."""
-    stats = client.get(f"{url}/admin/stats", headers=dep.admin_headers, timeout=10).json()
-    return stats.get("last_switch") or {}
+    deadline = time.monotonic() + 30  # a live switch's hand-overs may still be confirming
+    while True:
+        stats = client.get(f"{url}/admin/stats", headers=dep.admin_headers, timeout=10).json()
+        last = stats.get("last_switch") or {}
+        if last.get("handover_s") is not None or not last.get("handover_pending") or time.monotonic() > deadline:
+            return last
+        time.sleep(0.05)
 
 
 def _current_role(client: httpx.Client, dep: Any, instance_id: str) -> str:

@@ -53,7 +53,7 @@ from triptych.worker.engine.request import (
     RequestStatus,
     RequestValidationError,
 )
-from triptych.worker.engine.role_change import PartsChanged, change_parts, needs_mm
+from triptych.worker.engine.role_change import PartsChanged, change_parts, needs_mm, same_parts
 from triptych.worker.engine.scheduler import Counters, QueuedWork, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Engine(PulledBlocks, PreCopy):
         self.output = OutputProcessor(self.scheduler, self._requests, self._known_ids, eos_ids, self.max_model_len)
         self.runner.eos_ids = self.output.eos_ids
 
-    def set_role(self, role: InstanceType) -> PartsChanged:
+    def set_role(self, role: InstanceType, preloaded: Any = None) -> PartsChanged:
         """Serve `role` from now on, in place (role_change.py): kept weights and caches stay,
         only what the new role adds or drops is loaded or freed. Needs an engine holding
         no request (the instance offloads and migrates first)."""
@@ -125,7 +125,12 @@ class Engine(PulledBlocks, PreCopy):
             parked = dict(self.scheduler.parked)
             held = len(self._requests.keys() - parked.keys())
             if held or self.scheduler.has_work:
-                raise RuntimeError(f"set_role needs an idle engine; {len(self._requests)} request(s) held")
+                if not same_parts(self, role):
+                    raise RuntimeError(f"set_role needs an idle engine; {len(self._requests)} request(s) held")
+                # P <-> D with decodes still running (InstanceRuntime live switch): the engine
+                # keeps stepping them; only admission (new work) follows the new role.
+                self.role = self.config.role = self.admission.role = role
+                return PartsChanged([], [])
             if not role.needs_language:
                 # The KV cache goes: its parked hand-overs are detached from the engine (their
                 # blocks go back to that cache, which nothing allocates from again); their
@@ -135,7 +140,7 @@ class Engine(PulledBlocks, PreCopy):
                     if req.handoff is not None and req.handoff.stage != Stage.ENCODE:
                         self.output.finish(req, None)
                         del parked[request_id]
-            changed = change_parts(self, role)
+            changed = change_parts(self, role, preloaded)  # preloaded: role_change.preload_parts
             self.role = self.config.role = role
             self.migrating_out = False
             self._wire(self.scheduler.counters, self.output.eos_ids)
@@ -146,6 +151,12 @@ class Engine(PulledBlocks, PreCopy):
         """Hand back queued work that has not started; with `migrate`, park every decode
         after its next step for another instance to pull (EPDServe §3.2.4)."""
         self._inbox.append(("offload", migrate))
+        self.driver.wake()
+
+    def park_decodes(self) -> None:
+        """Park every decode at the next step boundary (and each one after it, until
+        `migrating_out` is reset) for another instance to pull; queued work stays."""
+        self._inbox.append(("park", None))
         self.driver.wake()
 
     def _budgets(self) -> tuple[int, int]:
@@ -216,6 +227,10 @@ class Engine(PulledBlocks, PreCopy):
         outputs: list[RequestOutput] = []
         with self._lock:
             self._drain_inbox(outputs)
+            if any(o.handoff is not None for o in outputs):
+                # Decodes parked at this boundary (switch, drain): their hand-overs go out
+                # now, not after one more forward of the rest; the next step follows at once.
+                return outputs
             batch = self._schedule(outputs)
         self.stalled = batch.is_empty
         sampled: Sampled = {}
@@ -289,6 +304,9 @@ class Engine(PulledBlocks, PreCopy):
                 self.migrating_out = self.migrating_out or arg
                 if arg:
                     outputs.extend(self.output.park_decodes())
+            elif kind == "park":  # the decodes of a live switch's old role move out now
+                self.migrating_out = True
+                outputs.extend(self.output.park_decodes())
             elif kind == "precopy":
                 outputs.extend(self._precopy_outputs())
             elif kind in ("abort", "release"):

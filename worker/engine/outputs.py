@@ -10,6 +10,7 @@ embeddings; HydraInfer §4.3), or goes on decoding. Each change becomes a
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
 
 from triptych.topology import Stage
@@ -35,6 +36,8 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._requests = requests  # the engine's: requests in the loop, by id
         self._in_use = in_use  # the engine's: request ids added and not finished
+        # Ids of the decodes parked to migrate out, latest last (a live switch reports them).
+        self.moved_out: deque[str] = deque(maxlen=4096)
 
     def process(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
         """Advance every request of `batch` past what the step computed."""
@@ -139,6 +142,7 @@ class OutputProcessor:
             self.scheduler.park(req)
             req.handoff = handoff
             self.scheduler.counters.migrated_out += 1
+            self.moved_out.append(req.request_id)
             outputs.append(self.output(req, finished=True, handoff=handoff))
         return outputs
 

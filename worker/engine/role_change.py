@@ -12,7 +12,7 @@ offloads and migrates its work before it calls `Engine.set_role`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from triptych.topology import InstanceType, Stage
 from triptych.worker.engine.config import make_kv_cache, make_mm_cache
@@ -49,9 +49,35 @@ def keeps_handovers(engine: Engine, role: InstanceType) -> bool:
     return engine.mm is None or needs_mm(role, engine.config.keep_mm_cache) or role.needs_language
 
 
-def change_parts(engine: Engine, role: InstanceType) -> PartsChanged:
-    """Load what `role` needs that `engine` lacks; drop what it no longer needs."""
-    from triptych.worker.models.loader import LoadedModel, load_model
+def same_parts(engine: Engine, role: InstanceType) -> bool:
+    """Whether `role` needs exactly the parts `engine` holds (P <-> D: the same language
+    model, KV cache and — with `keep_mm_cache` — MM cache), so a change to it loads and
+    frees nothing and may happen while requests still run (`Engine.set_role`)."""
+    model = engine.model
+    keep_mm = needs_mm(role, engine.config.keep_mm_cache) or (engine.mm is not None and role.needs_language)
+    return (role.needs_vision == (model.vision is not None) and role.needs_language == (model.language is not None)
+            and (engine.kv is not None) == role.needs_language and (engine.mm is not None) == keep_mm)
+
+
+def preload_parts(engine: Engine, role: InstanceType) -> Any:
+    """The weights `role` needs that `engine` lacks (a `LoadedModel` with only those), or
+    None: loaded while the engine still serves its old role (a switch overlaps this with
+    its decodes' pre-copy), then handed to `change_parts`. Touches no engine state."""
+    from triptych.worker.models.loader import load_model
+
+    model, cfg = engine.model, engine.config
+    want_vision = role.needs_vision and model.vision is None
+    want_language = role.needs_language and model.language is None
+    if not (want_vision or want_language):
+        return None
+    return load_model(cfg.model, vision=want_vision, language=want_language, dtype=cfg.torch_dtype,
+                      device=cfg.device)
+
+
+def change_parts(engine: Engine, role: InstanceType, preloaded: Any = None) -> PartsChanged:
+    """Load what `role` needs that `engine` lacks (or take it from `preloaded`, what
+    `preload_parts` returned for this change); drop what it no longer needs."""
+    from triptych.worker.models.loader import LoadedModel
 
     model, cfg = engine.model, engine.config
     want_vision = role.needs_vision and model.vision is None
@@ -60,8 +86,7 @@ def change_parts(engine: Engine, role: InstanceType) -> PartsChanged:
     freed: list[str] = []
     vision, language = model.vision, model.language
     if want_vision or want_language:
-        new = load_model(cfg.model, vision=want_vision, language=want_language, dtype=cfg.torch_dtype,
-                         device=cfg.device)
+        new = preloaded if preloaded is not None else preload_parts(engine, role)
         vision, language = vision or new.vision, language or new.language
         loaded += ["vision"] * want_vision + ["language"] * want_language
     if not role.needs_vision and vision is not None:

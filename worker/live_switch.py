@@ -1,0 +1,133 @@
+"""A P <-> D role switch that answers as soon as the instance runs its new role (EPDServe
+§3.2.4's offload -> migrate -> onload, with the migrate phase moved behind the reply).
+
+The weights and the KV cache stay, so nothing has to leave the engine before the new role
+serves: offload (queued work not started is handed back, runs pulling their inputs land),
+start the decodes' pre-copy (Clark et al., NSDI '05 §3), and change the role in place
+(`Engine.set_role` keeps the running requests; admission follows the new role, so no new
+decode is taken). The switch replies then. The old role's decodes keep decoding here while
+their next instance pulls their full KV blocks; once every pre-copy is confirmed or
+`precopy_timeout_s` passed they are parked at the next step boundary and handed over
+(`move_out`), and `/admin/stats` `last_switch` records `precopy_s`, `handover_s` and
+`migrated_ids` when that is done. A second switch of the same instance waits for this one's
+decodes to have moved out (`await_moved_out`) and reports that wait as `waited_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from triptych.topology import InstanceType, Stage
+
+if TYPE_CHECKING:
+    from triptych.worker.engine.engine import Engine
+    from triptych.worker.instance import InstanceRuntime
+
+log = logging.getLogger("triptych.worker.live_switch")
+
+
+async def wait_for(cond: Callable[[], bool], timeout_s: float, poll_s: float = 0.001) -> bool:
+    """Poll until `cond()` holds or `timeout_s` passed; returns whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(poll_s)
+    return True
+
+
+def leaving_decodes(engine: Engine, role: InstanceType) -> list[str]:
+    """Decodes in the engine (not parked) that `role` does not run: they must move out."""
+    if role.runs(Stage.DECODE):
+        return []
+    ids = []
+    for request_id in engine.request_ids(parked=False):
+        req = engine.get_request(request_id)
+        if req is None or Stage.DECODE in req.stages:  # None: still in the inbox (a decode on a D)
+            ids.append(request_id)
+    return ids
+
+
+async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float) -> dict[str, Any]:
+    """Offload and onload now; the old role's decodes move out in the background."""
+    engine = inst.engine
+    assert engine is not None
+    s = inst.settings
+    before = dict(engine.scheduler.counters.as_dict())
+    # Neither needs the engine's next step boundary before the role changes (that would
+    # cost a step of the running decodes): the engine hands back queued work and asks its
+    # running decodes for their pre-copy there, whatever its role by then.
+    engine.offload(migrate=False)  # hand back queued work not started
+    if s.precopy_timeout_s > 0 and not role.runs(Stage.DECODE):
+        engine.precopy()
+    # A run pulling its inputs joins the engine first: a decode among them moves out with the rest.
+    await wait_for(lambda: not inst.preparing, s.drain_timeout_s)
+    leaving = leaving_decodes(engine, role)
+    offloaded = time.monotonic()
+    await asyncio.to_thread(engine.set_role, role)  # in place: same parts (role_change.same_parts)
+    onloaded = time.monotonic()
+    after = engine.scheduler.counters.as_dict()
+    inst.role = role.value
+    record: dict[str, Any] = {"handover_pending": len(leaving), "precopy_s": None,
+                              "handover_s": round(onloaded - started, 6) if not leaving else None,
+                              "migrated_ids": []}
+    inst.last_switch = record
+    if leaving:
+        inst.moving_out = asyncio.create_task(move_out(inst, engine, leaving, started, record))
+    log.info("instance %s now serves role %s (live; %d decodes moving out)", s.instance_id, role.value, len(leaving))
+    return {"precopy_s": 0.0, "offload_s": round(offloaded - started, 6), "migrate_s": 0.0,
+            "onload_s": round(onloaded - offloaded, 6), "total_s": round(onloaded - started, 6),
+            "migrated": len(leaving), "handed_back": after["handed_back"] - before["handed_back"],
+            "handover_pending": len(leaving), "migrating": len(leaving)}
+
+
+async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], started: float,
+                   record: dict[str, Any]) -> None:
+    """Pre-copy wait, then park the old role's decodes at the next step boundary and follow
+    their hand-overs until each was pulled (its lease confirmed: the engine lets it go) or
+    its lease expired. Decodes that finished here meanwhile simply are not among
+    `migrated_ids`."""
+    s = inst.settings
+    migration = inst.migration
+
+    def current() -> bool:
+        return inst.engine is engine
+
+    try:
+        await wait_for(lambda: not current() or not (engine.precopies_waiting() or (
+            migration is not None and migration.precopies_outstanding())), s.precopy_timeout_s)
+        record["precopy_s"] = round(time.monotonic() - started, 6)
+        if not current():
+            return
+        engine.park_decodes()
+        left = set(leaving)
+        if not await wait_for(lambda: not current() or not left & set(engine.request_ids(parked=False)),
+                              s.drain_timeout_s, 0.002):
+            for request_id in left & set(engine.request_ids(parked=False)):
+                log.warning("switch: aborting decode %s that did not park in time", request_id)
+                inst.abort(request_id)
+        moved = set(engine.output.moved_out) & left
+        record["migrated_ids"] = sorted(moved)
+        # Each hand-over is released when its pull confirms (or its lease expires).
+        await wait_for(lambda: not current() or not moved & set(engine.request_ids()),
+                       s.lease_seconds + s.drain_timeout_s, 0.002)
+        record["handover_s"] = round(time.monotonic() - started, 6)
+        record["handover_pending"] = len(moved & set(engine.request_ids()))
+    finally:
+        if current() and not inst.draining:
+            engine.migrating_out = False  # the new role's own decodes (if any) stay here
+
+
+async def await_moved_out(inst: InstanceRuntime) -> float:
+    """A switch requested while the previous one's decodes still move out waits for them
+    (bounded by that move's own timeouts); returns the seconds it waited."""
+    task = inst.moving_out
+    if task is None or task.done():
+        return 0.0
+    started = time.monotonic()
+    await asyncio.wait({task})  # its own errors are its own (logged by asyncio), not this switch's
+    return time.monotonic() - started
