@@ -1,0 +1,112 @@
+"""The decode batch's gathered context, kept from one step to the next (torch backend).
+
+Batched decode attention reads each sequence's K/V as one padded `[B, L]` tensor,
+gathered block by block from the paged cache. A steady decode batch (the same sequences,
+each one token longer than last step: most steps of serving) would gather the same
+blocks again every step and layer - a copy of the whole batch's context, as large as
+what the attention itself reads. Instead the gathered tensors stay, one per layer, and a
+continuing step only writes its one new K/V row per sequence into them (vLLM's
+"persistent batch" idea, applied to the gathered context). Any other step - a sequence
+joined or left, a block table changed, a row outgrew the kept width - gathers afresh.
+
+Safety rule: what was kept is valid only for the very next `plan()`; every plan either
+continues it or starts over, so blocks freed and reused by another request in between
+are never read from a stale copy. The paged cache stays the source of truth (prefill,
+migration and prefix caching never see this copy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# One layer's kept K+V may take this much memory; a bigger batch gathers each step as
+# before (the copy would cost more memory than it saves time).
+MAX_BYTES_PER_LAYER = 64 << 20
+
+
+@dataclass
+class _Rows:
+    tables: list[list[int]]  # each row's blocks holding its kv_len tokens
+    kv_lens: list[int]
+    width_blocks: int  # kept blocks per row (>= every row's blocks: room to grow)
+
+
+@dataclass
+class KeptContext:
+    block_size: int = 0
+    rows: _Rows | None = None
+    generation: int = 0  # plan() count; a layer's buffer is current if stamped with it
+    continuing: bool = False
+    flat_blocks: torch.Tensor | None = None  # [B * width] the rows' blocks, padded with block 0
+    new_pos: tuple[torch.Tensor, torch.Tensor] | None = None  # (row, position) of each new token
+    _storage: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> flat, grown as needed
+    _stamps: dict[int, tuple] = field(default_factory=dict)  # layer -> (generation, cache ptr, shape)
+
+    def reset(self) -> None:
+        self.generation += 1
+        self.rows = None
+        self.continuing = False
+
+    def plan(self, tables: list[list[int]], kv_lens: list[int], block_size: int, row_bytes: int,
+             device: torch.device) -> bool:
+        """Take this step's decode rows (all one group); False if they are too big to keep.
+        `row_bytes` is one row's K+V bytes per key position and layer."""
+        self.generation += 1
+        needed = [-(-n // block_size) for n in kv_lens]
+        prev = self.rows
+        self.continuing = (
+            prev is not None and self.block_size == block_size and len(prev.kv_lens) == len(kv_lens)
+            and max(needed) <= prev.width_blocks
+            and all(n == p + 1 for n, p in zip(kv_lens, prev.kv_lens, strict=True))
+            and all(t[:len(pt)] == pt for t, pt in zip(tables, prev.tables, strict=True))
+        )
+        if self.continuing:
+            assert prev is not None
+            width = prev.width_blocks
+        else:
+            # Room to grow by half again (at least 4 blocks) before gathering afresh.
+            width = max(needed) + max(4, max(needed) // 2)
+            if len(kv_lens) * width * block_size * row_bytes > MAX_BYTES_PER_LAYER:
+                self.reset()
+                return False
+        self.block_size = block_size
+        kept_tables = [t[:n] for t, n in zip(tables, needed, strict=True)]
+        self.rows = _Rows(kept_tables, list(kv_lens), width)
+        if not self.continuing:
+            flat = [b for t in kept_tables for b in (*t, *([0] * (width - len(t))))]
+            self.flat_blocks = torch.tensor(flat, dtype=torch.long, device=device)
+        self.new_pos = (torch.arange(len(kv_lens), device=device),
+                        torch.tensor(kv_lens, device=device) - 1)
+        return True
+
+    def context(self, kv_cache: torch.Tensor, layer: int, k_new: torch.Tensor,
+                v_new: torch.Tensor) -> torch.Tensor:
+        """`[2, B, width * block_size, Hkv, D]`: the rows' keys and values in `layer`, this
+        step's included (already written to `kv_cache` by the caller)."""
+        assert self.rows is not None and self.flat_blocks is not None and self.new_pos is not None
+        batch, width = len(self.rows.kv_lens), self.rows.width_blocks
+        shape = (2, batch, width * self.block_size, *kv_cache.shape[4:])
+        buf = self._buffer(layer, shape, kv_cache)
+        stamp = (kv_cache.data_ptr(), kv_cache.dtype, shape)
+        if self.continuing and self._stamps.get(layer) == (self.generation - 1, *stamp):
+            buf[0].index_put_(self.new_pos, k_new.to(buf.dtype))
+            buf[1].index_put_(self.new_pos, v_new.to(buf.dtype))
+        else:
+            blocks = (batch * width, self.block_size, *kv_cache.shape[4:])
+            torch.index_select(kv_cache[:, layer, 0], 0, self.flat_blocks, out=buf[0].view(blocks))
+            torch.index_select(kv_cache[:, layer, 1], 0, self.flat_blocks, out=buf[1].view(blocks))
+        self._stamps[layer] = (self.generation, *stamp)
+        return buf
+
+    def _buffer(self, layer: int, shape: tuple[int, ...], kv_cache: torch.Tensor) -> torch.Tensor:
+        # Grown, never shrunk: a fresh multi-MB tensor per regather would cost page faults.
+        size = 1
+        for n in shape:
+            size *= n
+        store = self._storage.get(layer)
+        if store is None or store.numel() < size or store.dtype != kv_cache.dtype or store.device != kv_cache.device:
+            store = torch.empty(size, dtype=kv_cache.dtype, device=kv_cache.device)
+            self._storage[layer] = store
+        return store[:size].view(shape)
