@@ -167,8 +167,8 @@ class TorchAttention:
         shape = (batch, -1, geo.num_kv_heads, geo.head_dim)
         if plan.kept:
             length = plan.mask.shape[-1]
-            both = self._kept.context(kv_cache, layer, k, v)[:, :, :length]
-            keys, values = both[0].transpose(1, 2), both[1].transpose(1, 2)
+            both = self._kept.context(kv_cache, layer, k, v)[:, :, :, :length]
+            keys, values = both[0], both[1]
         else:
             key_buf, value_buf = self._gather_buffers(kv_cache, plan.flat_blocks.numel())
             keys = torch.index_select(kv_cache[:, layer, 0], 0, plan.flat_blocks, out=key_buf)
