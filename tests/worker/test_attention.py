@@ -136,6 +136,7 @@ def test_decode_groups_split_long_tailed_lengths_only() -> None:
     assert sorted(i for g in groups for i in g) == list(range(6))
     assert groups[0] == [1]  # the 600-token row is not padded onto the short ones
     assert [0, 2, 3, 5] in groups  # same padded length: together
+    assert decode_groups([33, 20, 47, 40], 16) == [[0, 1, 2, 3]]  # not worth a split: batch order
     assert len(decode_groups([16 * k for k in range(1, 200)], 16)) == MAX_DECODE_GROUPS
 
 
@@ -159,9 +160,9 @@ def test_steady_decodes_reuse_kept_context_and_match_dense() -> None:
     backend = TorchAttention()
     for seq, n in enumerate([6, 3, 11]):
         run.step([(seq, n)], backend)
-    for _ in range(6):  # continuing steps (rows grow across block boundaries too)
+    for step in range(6):  # rows of unequal lengths cross block boundaries at different steps
         assert run.step([(0, 1), (1, 1), (2, 1)], backend).abs().max() < 1e-5
-    assert backend._kept.continuing
+        assert backend._kept.continuing == (step > 0)  # the first one gathers, the rest only append
 
 
 def test_kept_context_is_not_read_after_another_step_reused_its_blocks() -> None:

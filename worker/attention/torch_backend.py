@@ -33,7 +33,7 @@ def decode_groups(kv_lens: list[int], block_size: int) -> list[list[int]]:
     Rows sorted by length, longest first; a new group starts at a row when padding the
     rows left (this one and every shorter one) to the current group's length would cost
     more than `GROUP_COST_KEYS` per group: greedy, one pass, at most `MAX_DECODE_GROUPS`.
-    Equal lengths (a uniform batch) stay one group in the original order."""
+    Each group lists its rows in batch order; one group is every row, in order."""
     padded = [-(-n // block_size) * block_size for n in kv_lens]
     if min(padded, default=0) == max(padded, default=0):
         return [list(range(len(kv_lens)))] if kv_lens else []
@@ -46,7 +46,10 @@ def decode_groups(kv_lens: list[int], block_size: int) -> list[list[int]]:
             groups.append([])
             width = padded[i]
         groups[-1].append(i)
-    return groups
+    # Rows keep the batch's order within a group: a steady batch then gives the same row
+    # order every step (sorted order would change as rows cross block boundaries), which
+    # is what lets the kept context continue.
+    return [sorted(g) for g in groups]
 
 
 @dataclass
@@ -84,7 +87,9 @@ class TorchAttention:
         decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
         groups = decode_groups([meta.kv_lens_list[i] for i in decode_rows], meta.block_size)
         self._decodes = [self._plan_decode(meta, [decode_rows[j] for j in g], device) for g in groups]
-        if len(self._decodes) == 1:
+        # CPU only: there the gather is a large share of a decode step; on a GPU it is cheap,
+        # and the copy would take memory outside the KV cache's budget.
+        if len(self._decodes) == 1 and device.type == "cpu":
             rows = groups[0] if len(decode_rows) == meta.num_seqs else [decode_rows[j] for j in groups[0]]
             row_bytes = 2 * geometry.num_kv_heads * geometry.head_dim * geometry.dtype.itemsize
             self._decodes[0].kept = self._kept.plan([meta.block_tables_list[i] for i in rows],
