@@ -75,9 +75,7 @@ class KeptContext:
         self.block_size = block_size
         kept_tables = [t[:n] for t, n in zip(tables, needed, strict=True)]
         self.rows = _Rows(kept_tables, list(kv_lens), width)
-        if not self.continuing:
-            flat = [b for t in kept_tables for b in (*t, *([0] * (width - len(t))))]
-            self.flat_blocks = torch.tensor(flat, dtype=torch.long, device=device)
+        self.flat_blocks = None  # built by the first layer that gathers this step
         self.new_pos = (torch.arange(len(kv_lens), device=device),
                         torch.tensor(kv_lens, device=device) - 1)
         return True
@@ -88,7 +86,7 @@ class KeptContext:
         step's included (already written to `kv_cache` by the caller). Head-major, so each
         (row, head) is one contiguous `[L, D]` matrix: SDPA over it ran ~1.6x faster on CPU
         than over the block-major gather's strided view."""
-        assert self.rows is not None and self.flat_blocks is not None and self.new_pos is not None
+        assert self.rows is not None and self.new_pos is not None
         batch, width = len(self.rows.kv_lens), self.rows.width_blocks
         kv_heads, dim = kv_cache.shape[4:]
         shape = (2, batch, kv_heads, width * self.block_size, dim)
@@ -98,6 +96,9 @@ class KeptContext:
             buf[0].transpose(1, 2).index_put_(self.new_pos, k_new.to(buf.dtype))
             buf[1].transpose(1, 2).index_put_(self.new_pos, v_new.to(buf.dtype))
         else:
+            if self.flat_blocks is None:  # each row's blocks, padded with block 0 to the width
+                flat = [b for t in self.rows.tables for b in (*t, *([0] * (width - len(t))))]
+                self.flat_blocks = torch.tensor(flat, dtype=torch.long, device=kv_cache.device)
             blocks = (batch * width, self.block_size, kv_heads, dim)
             tmp = self._buffer(self._gathered, 0, blocks, kv_cache)
             for i in (0, 1):
