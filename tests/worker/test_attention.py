@@ -137,6 +137,9 @@ def test_decode_groups_split_long_tailed_lengths_only() -> None:
     assert groups[0] == [1]  # the 600-token row is not padded onto the short ones
     assert [0, 2, 3, 5] in groups  # same padded length: together
     assert decode_groups([33, 20, 47, 40], 16) == [[0, 1, 2, 3]]  # not worth a split: batch order
+    # prompts of different lengths decoding together (a uniform batch): padding is a third
+    # of the real keys, so one group (which keeps its context across steps)
+    assert decode_groups([40] * 20 + [72] * 12, 16) == [list(range(32))]
     assert len(decode_groups([16 * k for k in range(1, 200)], 16)) == MAX_DECODE_GROUPS
 
 

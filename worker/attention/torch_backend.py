@@ -30,13 +30,20 @@ MAX_DECODE_GROUPS = 4
 def decode_groups(kv_lens: list[int], block_size: int) -> list[list[int]]:
     """Split decode rows (indices into `kv_lens`) into groups of similar padded length.
 
-    Rows sorted by length, longest first; a new group starts at a row when padding the
-    rows left (this one and every shorter one) to the current group's length would cost
-    more than `GROUP_COST_KEYS` per group: greedy, one pass, at most `MAX_DECODE_GROUPS`.
+    No split while padding all rows to the longest costs at most half of the real keys (or
+    `GROUP_COST_KEYS`). Otherwise rows are sorted by length, longest first; a new group
+    starts at a row when padding the rows left (this one and every shorter one) to the
+    current group's length would cost more than `GROUP_COST_KEYS` per group: greedy, one
+    pass, at most `MAX_DECODE_GROUPS`.
     Each group lists its rows in batch order; one group is every row, in order."""
     padded = [-(-n // block_size) * block_size for n in kv_lens]
-    if min(padded, default=0) == max(padded, default=0):
-        return [list(range(len(kv_lens)))] if kv_lens else []
+    if not padded:
+        return []
+    # One group unless padding would be over half of the real work: a single group is what
+    # keeps its gathered context across steps (kept_context.py), worth more than modest padding.
+    waste = len(padded) * max(padded) - sum(padded)
+    if waste <= max(GROUP_COST_KEYS, sum(padded) // 2):
+        return [list(range(len(kv_lens)))]
     order = sorted(range(len(kv_lens)), key=lambda i: -padded[i])
     groups: list[list[int]] = [[]]
     width = padded[order[0]]
