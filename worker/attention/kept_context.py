@@ -6,8 +6,10 @@ each one token longer than last step: most steps of serving) would gather the sa
 blocks again every step and layer - a copy of the whole batch's context, as large as
 what the attention itself reads. Instead the gathered tensors stay, one per layer, and a
 continuing step only writes its one new K/V row per sequence into them (vLLM's
-"persistent batch" idea, applied to the gathered context). Any other step - a sequence
-joined or left, a block table changed, a row outgrew the kept width - gathers afresh.
+"persistent batch" idea, applied to the gathered context). A step that does not continue
+the last one (a sequence joined or left, a block table changed) gathers as usual and
+keeps nothing; the second steady step in a row gathers into the kept layout (again when
+a row outgrows the kept width), the ones after only append.
 
 Safety rule: what was kept is valid only for the very next `plan()`; every plan either
 continues it or starts over, so blocks freed and reused by another request in between
@@ -30,7 +32,7 @@ MAX_BYTES_PER_LAYER = 64 << 20
 class _Rows:
     tables: list[list[int]]  # each row's blocks holding its kv_len tokens
     kv_lens: list[int]
-    width_blocks: int  # kept blocks per row (>= every row's blocks: room to grow)
+    width_blocks: int  # kept blocks per row (>= every row's blocks: room to grow); 0: not kept
 
 
 @dataclass
@@ -52,30 +54,33 @@ class KeptContext:
 
     def plan(self, tables: list[list[int]], kv_lens: list[int], block_size: int, row_bytes: int,
              device: torch.device) -> bool:
-        """Take this step's decode rows (all one group); False if they are too big to keep.
+        """Take this step's decode rows (all one group). False: gather as usual this step -
+        the rows do not continue last step's (a batch that changes every few steps would
+        pay a regather into the kept layout for nothing), or they are too big to keep.
         `row_bytes` is one row's K+V bytes per key position and layer."""
         self.generation += 1
         needed = [-(-n // block_size) for n in kv_lens]
         prev = self.rows
-        self.continuing = (
+        steady = (
             prev is not None and self.block_size == block_size and len(prev.kv_lens) == len(kv_lens)
-            and max(needed) <= prev.width_blocks
             and all(n == p + 1 for n, p in zip(kv_lens, prev.kv_lens, strict=True))
             and all(t[:len(pt)] == pt for t, pt in zip(tables, prev.tables, strict=True))
         )
+        self.block_size = block_size
+        self.rows = _Rows([t[:n] for t, n in zip(tables, needed, strict=True)], list(kv_lens), 0)
+        self.flat_blocks = None  # built by the first layer that gathers this step
+        self.continuing = steady and prev is not None and max(needed) <= prev.width_blocks
         if self.continuing:
             assert prev is not None
             width = prev.width_blocks
-        else:
+        elif steady:
             # Room to grow by half again (at least 4 blocks) before gathering afresh.
             width = max(needed) + max(4, max(needed) // 2)
             if len(kv_lens) * width * block_size * row_bytes > MAX_BYTES_PER_LAYER:
-                self.reset()
                 return False
-        self.block_size = block_size
-        kept_tables = [t[:n] for t, n in zip(tables, needed, strict=True)]
-        self.rows = _Rows(kept_tables, list(kv_lens), width)
-        self.flat_blocks = None  # built by the first layer that gathers this step
+        else:
+            return False
+        self.rows.width_blocks = width
         self.new_pos = (torch.arange(len(kv_lens), device=device),
                         torch.tensor(kv_lens, device=device) - 1)
         return True
