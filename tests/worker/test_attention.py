@@ -15,6 +15,7 @@ from triptych.worker.attention import (
     build_metadata,
     select_backend,
 )
+from triptych.worker.attention.torch_backend import MAX_DECODE_GROUPS, decode_groups
 
 HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 16, 2
 
@@ -126,6 +127,67 @@ def test_torch_attention_batched_decode_of_unequal_lengths() -> None:
     for _ in range(3):
         diff = run.step([(seq, 1) for seq in range(len(lengths))], backend)
         assert diff.abs().max() < 1e-5
+
+
+def test_decode_groups_split_long_tailed_lengths_only() -> None:
+    assert decode_groups([40, 41, 42, 47], 16) == [[0, 1, 2, 3]]  # same padded length: one group, in order
+    assert decode_groups([], 16) == []
+    groups = decode_groups([20, 600, 30, 25, 310, 18], 16)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert groups[0] == [1]  # the 600-token row is not padded onto the short ones
+    assert [0, 2, 3, 5] in groups  # same padded length: together
+    assert decode_groups([33, 20, 47, 40], 16) == [[0, 1, 2, 3]]  # not worth a split: batch order
+    # prompts of different lengths decoding together (a uniform batch): padding is a third
+    # of the real keys, so one group (which keeps its context across steps)
+    assert decode_groups([40] * 20 + [72] * 12, 16) == [list(range(32))]
+    assert len(decode_groups([16 * k for k in range(1, 200)], 16)) == MAX_DECODE_GROUPS
+
+
+def test_grouped_decodes_of_long_tailed_lengths_match_dense() -> None:
+    run = _PagedRun(block_size=4, num_blocks=512, seed=5)
+    backend = TorchAttention()
+    lengths = [3, 700, 6, 2, 350, 5, 4]
+    for seq, n in enumerate(lengths):
+        run.step([(seq, n)], backend)
+    assert len(decode_groups([n + 1 for n in lengths], 4)) > 1  # the case under test
+    for _ in range(2):
+        diff = run.step([(seq, 1) for seq in range(len(lengths))], backend)
+        assert diff.abs().max() < 1e-5
+    # decodes in two groups around a prefill chunk
+    diff = run.step([(1, 1), (0, 1), (7, 9), (4, 1), (2, 1)], backend)
+    assert diff.abs().max() < 1e-5
+
+
+def test_steady_decodes_reuse_kept_context_and_match_dense() -> None:
+    run = _PagedRun(block_size=4, seed=7)
+    backend = TorchAttention()
+    for seq, n in enumerate([6, 3, 11]):
+        run.step([(seq, n)], backend)
+    for step in range(6):  # rows of unequal lengths cross block boundaries at different steps
+        assert run.step([(0, 1), (1, 1), (2, 1)], backend).abs().max() < 1e-5
+        # the first decode step gathers as usual, the second (steady) one into the kept
+        # context, the rest only append to it
+        assert backend._kept.continuing == (step > 1)
+
+
+def test_kept_context_is_not_read_after_another_step_reused_its_blocks() -> None:
+    run = _PagedRun(block_size=4, seed=8)
+    backend = TorchAttention()
+    run.step([(0, 5)], backend)
+    run.step([(1, 2)], backend)
+    for _ in range(3):
+        run.step([(0, 1), (1, 1)], backend)
+    assert backend._kept.continuing
+    # Another step runs in between (a prefill), and sequence 0's blocks get new contents
+    # (as when a request ends and a new one is prefilled into the freed blocks).
+    run.step([(2, 4)], backend)
+    fresh = torch.randn(run.keys[0].shape, generator=run.gen)
+    run.keys[0] = fresh.clone()
+    for pos in range(fresh.shape[0]):
+        block = run.tables[0][pos // run.block_size]
+        run.cache[block, 1, 0, pos % run.block_size] = fresh[pos]
+    diff = run.step([(0, 1), (1, 1)], backend)  # lengths and tables continue the kept ones
+    assert diff.abs().max() < 1e-5
 
 
 def test_kv_written_at_slot_mapping_only_in_its_layer() -> None:
