@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -392,3 +392,17 @@ def parse_stage_event(line: str | bytes) -> StageEvent:
 
 class RoleSwitch(BaseModel):
     role: str
+
+
+async def ndjson_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The non-empty lines of a streamed NDJSON body (a takeover's request: the hop, then
+    its hand-over), each as soon as it is complete."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if line.strip():
+                yield line
+    if pending.strip():
+        yield pending

@@ -35,6 +35,7 @@ from triptych.stage_protocol import (
     StageFrameError,
     StageRequest,
     decode_stage_request,
+    ndjson_lines,
 )
 from triptych.timings import TIMINGS, TimingsPage
 from triptych.topology import UNASSIGNED, InstanceType
@@ -157,7 +158,7 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     async def takeover_run(http: HttpRequest) -> Response:
         # A decode moving here mid-stream (worker/takeover.py): pre-copy, then its hand-over.
         try:
-            sreq = await takeover.receive(inst, takeover.ndjson_lines(http.stream()))
+            sreq = await takeover.receive(inst, ndjson_lines(http.stream()))
         except (BadPayloadError, ClientDisconnect) as exc:
             return _error(400, f"takeover: {exc}")
         return await _start(sreq)

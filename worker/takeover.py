@@ -37,19 +37,6 @@ class NoHandOverError(BadPayloadError):
     at its source, or the client went away)."""
 
 
-async def ndjson_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The non-empty lines of a streamed request body, each as soon as it is complete."""
-    pending = b""
-    async for chunk in chunks:
-        pending += chunk
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            if line.strip():
-                yield line
-    if pending.strip():
-        yield pending
-
-
 async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRequest:
     """Read the hop, pre-copy its full blocks, wait for the hand-over: the decode hop to run
     (its kv_source the hand-over). Raises BadPayloadError (a 4xx; the router drops the hop)

@@ -57,6 +57,7 @@ from triptych.stage_protocol import (
     StageRequest,
     TokensEvent,
     decode_stage_request,
+    ndjson_lines,
 )
 from triptych.topology import InstanceType, Stage, parse_topology
 from triptych.worker.auth import AuthMiddleware, WorkerAuth
@@ -249,7 +250,7 @@ class FakeWorker:
 
         @app.post("/internal/takeover")
         async def takeover(http: Request) -> Response:
-            lines = _lines(http.stream())
+            lines = ndjson_lines(http.stream())
             first = StageRequest.model_validate_json(await anext(lines))
             try:
                 tail = KVSource.model_validate_json(await anext(lines))
@@ -306,16 +307,6 @@ class FakeWorker:
                 await asyncio.sleep(0)  # one event per chunk, as a worker streams them
         finally:
             self.running.discard(request_id)
-
-
-async def _lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    pending = b""
-    async for chunk in chunks:
-        pending += chunk
-        *done, pending = pending.split(b"\n")
-        for line in done:
-            if line.strip():
-                yield line
 
 
 # -- a deployment of fakes -------------------------------------------------------------

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from polling import eventually
 from prometheus_client import REGISTRY
 
 from triptych.stage_protocol import KVSource, MMSource
@@ -139,14 +140,6 @@ async def sides() -> AsyncIterator[tuple[Side, Side]]:
             side.service.stop()
             side.transfer.close()
 
-
-async def eventually(pred: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.01)
-    return pred()
 
 
 def sample(name: str, **labels: str) -> float:

@@ -7,21 +7,20 @@ with no block or lease held on either side."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 from engine_cases import make_cases, processor, to_request
+from polling import eventually
 
 from triptych.sampling_params import SamplingParams
 from triptych.stage_protocol import KVSource
 from triptych.topology import InstanceType, Stage
 from triptych.worker.engine import Engine, EngineConfig, PrefilledKV, RequestStatus
-from triptych.worker.engine.request import FinishReason
+from triptych.worker.engine.request import FinishReason, Request
 from triptych.worker.migration import HandoffExpiredError, MigrationService
 from triptych.worker.transfer import TransferEngine
 
@@ -64,14 +63,6 @@ async def pair(qwen2_vl_dir: Path) -> AsyncIterator[tuple[Side, Side]]:
             side.transfer.close()
 
 
-async def eventually(pred: Callable[[], bool], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        await asyncio.sleep(0.01)
-    return pred()
-
 
 def _run_until(engine: Engine, req, num_outputs: int) -> None:
     while len(req.output_token_ids) < num_outputs:
@@ -94,6 +85,16 @@ def _precopy_offer(src: Side, request_id: str) -> KVSource:
     return _wire(src.service.offer_precopy(request_id, held))
 
 
+def _decoding_with_precopy_offered(model_dir: Path, src: Side) -> tuple[Request, KVSource]:
+    """A greedy text decode "x" six tokens in at `src`, its full blocks offered for pre-copy."""
+    case = next(c for c in make_cases(8) if not c.images)
+    req = to_request(processor(model_dir), case, "x",
+                     SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), stages=PD)
+    src.engine.add_request(req)
+    _run_until(src.engine, req, 6)
+    return req, _precopy_offer(src, "x")
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 async def test_a_precopied_decode_pulls_only_its_last_blocks_and_continues_exactly(
         qwen2_vl_dir: Path, pair: tuple[Side, Side], temperature: float) -> None:
@@ -113,7 +114,7 @@ async def test_a_precopied_decode_pulls_only_its_last_blocks_and_continues_exact
     pulled, already = await dst.service.precopy_kv(kv, req.prompt_token_ids, req.mm_items)
     assert (pulled, already) == (full, 0)
     assert dst.engine.kv.num_used == 0 and dst.engine.kv.num_cached >= full  # cached, evictable: nothing held
-    assert await eventually(lambda: src.service.precopies_outstanding() == 0)  # confirmed: the hold is gone
+    assert await eventually(lambda: src.service.precopies_outstanding() == 0, timeout_s=10.0)  # confirmed: the hold is gone
 
     _run_until(src.engine, req, 14)  # the source went on meanwhile (a block or more filled since)
     src.engine.offload(migrate=True)
@@ -136,7 +137,7 @@ async def test_a_precopied_decode_pulls_only_its_last_blocks_and_continues_exact
     dst.engine.generate_batch([cont])
     assert cont.output_token_ids == whole.output_token_ids
     assert cont.finish_reason == FinishReason.LENGTH and len(cont.output_token_ids) == 24
-    assert await eventually(lambda: src.service.leases.outstanding() == 0)
+    assert await eventually(lambda: src.service.leases.outstanding() == 0, timeout_s=10.0)
     src.engine.step()  # the hand-over's release
     assert src.engine.kv.num_used == 0 and dst.engine.kv.num_used == 0
     assert src.engine.request_ids() == [] and dst.engine.request_ids() == []
@@ -150,19 +151,13 @@ async def test_a_precopy_lease_holds_its_blocks_past_the_request_and_frees_them_
     src = _side(_engine(qwen2_vl_dir), "pc-exp", lease_seconds=0.5)
     src.service.start()
     try:
-        proc = processor(qwen2_vl_dir)
-        case = next(c for c in make_cases(8) if not c.images)
-        req = to_request(proc, case, "x", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-                         stages=PD)
-        src.engine.add_request(req)
-        _run_until(src.engine, req, 6)
-        kv = _precopy_offer(src, "x")
+        _, kv = _decoding_with_precopy_offered(qwen2_vl_dir, src)
         full = kv.num_tokens // src.engine.kv.block_size
         assert src.service.cancel("x") == 0  # an abort leaves the pre-copy lease be
         src.engine.abort("x")
         src.engine.step()
         assert src.engine.request_ids() == [] and src.engine.kv.num_used == full  # the lease's hold only
-        assert await eventually(lambda: src.service.leases.outstanding() == 0)
+        assert await eventually(lambda: src.service.leases.outstanding() == 0, timeout_s=10.0)
         assert src.engine.kv.num_used == 0
     finally:
         src.service.stop()
@@ -178,16 +173,10 @@ async def test_a_failed_precopy_pull_leaves_nothing_on_the_target(qwen2_vl_dir: 
     for side in (src, dst):
         side.service.start()
     try:
-        proc = processor(qwen2_vl_dir)
-        case = next(c for c in make_cases(8) if not c.images)
-        req = to_request(proc, case, "x", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
-                         stages=PD)
-        src.engine.add_request(req)
-        _run_until(src.engine, req, 6)
-        kv = _precopy_offer(src, "x")
+        req, kv = _decoding_with_precopy_offered(qwen2_vl_dir, src)
         src.engine.abort("x")
         src.engine.step()
-        assert await eventually(lambda: src.service.leases.outstanding() == 0)  # expired unpulled
+        assert await eventually(lambda: src.service.leases.outstanding() == 0, timeout_s=10.0)  # expired unpulled
         cached = dst.engine.kv.num_cached
         with pytest.raises(HandoffExpiredError):
             await dst.service.precopy_kv(kv, req.prompt_token_ids, req.mm_items)
