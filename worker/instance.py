@@ -13,7 +13,7 @@ from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
 from triptych.worker.engine.role_change import keeps_handovers, preload_parts, same_parts
-from triptych.worker.live_switch import await_moved_out, switch_live
+from triptych.worker.live_switch import await_moved_out, switch_live, wait_for
 from triptych.worker.migration import MigrationService
 from triptych.worker.settings import WorkerSettings
 from triptych.worker.transfer import TransferEngine
@@ -163,9 +163,7 @@ class InstanceRuntime:
         return precopy_s
 
     async def _inbox_taken(self, engine: Engine) -> None:
-        deadline = time.monotonic() + self.settings.drain_timeout_s
-        while engine.has_pending_inbox and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
+        await wait_for(lambda: not engine.has_pending_inbox, self.settings.drain_timeout_s)
 
     async def _precopy(self) -> float:
         """Live migration's pre-copy (Clark et al., "Live Migration of Virtual Machines",
@@ -184,9 +182,8 @@ class InstanceRuntime:
         engine.offload(migrate=False)
         engine.precopy()
         await self._inbox_taken(engine)
-        deadline = started + timeout
-        while (engine.precopies_waiting() or migration.precopies_outstanding()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
+        await wait_for(lambda: not (engine.precopies_waiting() or migration.precopies_outstanding()),
+                       started + timeout - time.monotonic())
         return time.monotonic() - started
 
     async def _migrate(self, keep_parked: bool) -> list[str]:
