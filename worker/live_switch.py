@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,10 @@ if TYPE_CHECKING:
     from triptych.worker.instance import InstanceRuntime
 
 log = logging.getLogger("triptych.worker.live_switch")
+
+# Test-only: hold the old role's decodes this long before they move out, so a test can catch
+# a second switch while the first one's hand-over is still under way. Unset in production.
+MOVE_OUT_DELAY_ENV = "TRIPTYCH_TEST_MOVE_OUT_DELAY_S"
 
 
 async def wait_for(cond: Callable[[], bool], timeout_s: float, poll_s: float = 0.001) -> bool:
@@ -98,6 +103,7 @@ async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], st
         return inst.engine is engine
 
     try:
+        await asyncio.sleep(float(os.environ.get(MOVE_OUT_DELAY_ENV, "0") or 0))
         await wait_for(lambda: not current() or not (engine.precopies_waiting() or (
             migration is not None and migration.precopies_outstanding())), s.precopy_timeout_s)
         record["precopy_s"] = round(time.monotonic() - started, 6)
