@@ -263,8 +263,13 @@ def _add_switch(bsub: argparse._SubParsersAction) -> None:
     w.add_argument("--min-running", type=int, default=2,
                    help="a D->X switch waits until the instance runs this many decodes")
     w.add_argument("--switch-after", type=float, default=0.3, help="seconds into the load before other switches")
+    w.add_argument("--steady", type=float, default=0.05,
+                   help="seconds a D->X switch waits after --min-running, for admissions to settle")
     w.add_argument("--settle", type=float, default=1.5, help="seconds between switches (router poll)")
     add_instance_cpus(w, "cap every instance at X CPUs")
+    add_cpu_period(w)
+    add_priority(w)
+    add_log_dir(w, "write each process's log here")
     add_request_timeout(w, 180.0)
     add_json(w)
     w.set_defaults(func=lazy("triptych.bench.switch:cli_main"))

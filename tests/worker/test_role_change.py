@@ -5,6 +5,7 @@ what the new role shares (weights, the KV cache) and loads or frees only the res
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,47 @@ def test_a_stage_the_role_no_longer_runs_is_the_instances_503_not_the_clients_40
                                  stages={Stage.PREFILL, Stage.DECODE}))
     assert "does not run stage(s) decode" in str(info.value) and http_status(info.value) == 503
     assert http_status(RequestValidationError("token id out of range")) == 400
+
+
+async def test_a_live_switch_delivers_the_hand_backs_and_pre_copy_offers_it_asks_for(qwen2_vl_dir: Path) -> None:
+    """The instance asks for hand-backs and pre-copy offers, then changes the role in place
+    (worker/live_switch.py); when set_role runs them from the inbox before the step thread
+    does, their outputs still reach the streams: the queued request ends handed back (its
+    stream does not hang) and the running decode gets its pre-copy offer (the switch does
+    not wait out its pre-copy timeout). The test steps the engine itself, so set_role is
+    the one that finds them in the inbox."""
+    proc = processor(qwen2_vl_dir)
+    case = next(c for c in make_cases(8) if not c.images)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    pd = {Stage.PREFILL, Stage.DECODE}
+    e = _engine(qwen2_vl_dir, InstanceType.PD)
+    e.driver.start = lambda: None  # type: ignore[method-assign]  # no step thread: this test steps
+
+    async def collect(req, into: list) -> None:
+        async for out in e.generate(req, timeout_s=30):
+            into.append(out)
+
+    running, queued = to_request(proc, case, "run", params, stages=pd), to_request(proc, case, "q", params, stages=pd)
+    ran: list = []
+    run_task = asyncio.create_task(collect(running, ran))
+    while len(running.output_token_ids) < 3:
+        await asyncio.sleep(0)
+        e.driver.deliver(e.step())
+    assert running.num_computed_tokens >= e.kv.block_size  # a full block to pre-copy
+    handed: list = []
+    queued_task = asyncio.create_task(collect(queued, handed))
+    await asyncio.sleep(0)  # its add is in the inbox
+    e.offload(migrate=False)
+    e.precopy()
+    e.set_role(InstanceType.P)
+    await asyncio.wait_for(queued_task, 5)  # before the fix: hung until its timeout
+    assert handed[-1].finished and handed[-1].error == HANDED_BACK
+    for _ in range(100):
+        if any(o.precopy for o in ran):
+            break
+        await asyncio.sleep(0.01)
+    assert [o.precopy for o in ran].count(True) == 1 and e.precopies_waiting() == 1
+    run_task.cancel()
+    await asyncio.gather(run_task, return_exceptions=True)
+    e.step()  # the abort of the cancelled stream
+    assert e.request_ids() == [] and e.kv.num_used == 0

@@ -65,7 +65,7 @@ async def send_request(client: httpx.AsyncClient, url: str, body: bytes, timeout
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         return RequestResult(error=f"{type(exc).__name__}: {exc}")
     result = timeline_result(events, time.perf_counter() - start, usage_total)
-    result.request_id = request_id
+    result.request_id, result.sent_at = request_id, start
     return result
 
 

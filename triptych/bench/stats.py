@@ -42,6 +42,8 @@ class RequestResult:
     num_tokens: int = 0
     error: str | None = None
     request_id: str | None = None  # the router's X-Request-Id (the response's id)
+    sent_at: float | None = None  # time.perf_counter() when it was sent (to line streams up)
+    token_times: list[float] = field(default_factory=list)  # each output token's arrival
 
     @property
     def ok(self) -> bool:
@@ -70,7 +72,7 @@ def timeline_result(events: Sequence[tuple[float, int, bool]], end: float,
         return RequestResult(e2e=end, error="no output tokens")
     gaps = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
     n = num_tokens if num_tokens is not None else len(token_times)
-    return RequestResult(ttft=first_text, e2e=end, gaps=gaps, num_tokens=n)
+    return RequestResult(ttft=first_text, e2e=end, gaps=gaps, num_tokens=n, token_times=token_times)
 
 
 def meets_slo(result: RequestResult, ttft_slo: float, tbt_slo: float,

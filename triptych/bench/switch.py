@@ -14,8 +14,12 @@ decodes move out after the reply (`last_switch.precopy_s`, from the switch's sta
 (TPOT), in mean gaps ("added gaps"): a decode moved to another instance mid-stream pauses once,
 for the pull and the hop. `migrated gaps` is the maximum over the streams that moved — the
 switched instance's `/admin/stats` `last_switch.migrated_ids` names them by request id (the
-router's X-Request-Id; a decode's later hops run as `<id>.dN`) — and `max added gaps` the
-maximum over every stream of the switch. `hand-over ms`: from the switch's start until the
+router's X-Request-Id; a decode's later hops run as `<id>.dN`) — counting only the gaps that
+ended after the switch was asked for (a D->X switch is asked `--steady` seconds after the
+instance runs `--min-running` decodes, once their admissions settled); `others' gaps` the
+same over the streams that did not move (what the switch cost everyone: on a shared CPU, the
+migration's work slows the other instances too; `--instance-cpus` gives each its own share),
+and `max added gaps` the maximum over every stream of the switch, whole streams. `hand-over ms`: from the switch's start until the
 last decode it parked was pulled by its new instance (`last_switch.handover_s`; a P <-> D
 switch answers before its decodes are even parked).
 """
@@ -27,6 +31,7 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -63,13 +68,29 @@ def _wait_decoding(client: httpx.Client, dep: Any, url: str, min_running: int, t
         time.sleep(0.005)
 
 
-def added_gaps(result: RequestResult) -> float | None:
+def gaps_after(result: RequestResult, t0: float) -> list[float]:
+    """The stream's gaps that ended after `t0` (a `time.perf_counter()` value)."""
+    if result.sent_at is None:
+        return []
+    times = [result.sent_at + t for t in result.token_times]
+    return [b - a for a, b in zip(times, times[1:], strict=False) if b >= t0]
+
+
+def added_gaps(result: RequestResult, since: float | None = None) -> float | None:
     """(largest gap - mean gap) / mean gap of one stream, the mean being its TPOT; None
-    under 4 gaps. (Not the median: chunks read back to back give near-zero gaps.)"""
+    under 4 gaps. (Not the median: chunks read back to back give near-zero gaps.) With
+    `since` (a `time.perf_counter()` value), the largest of the gaps that ended after it:
+    a switch's own pause, not the stream's admission."""
     tpot = result.tpot
     if tpot is None or tpot <= 0 or len(result.gaps) < 4:
         return None
-    return (max(result.gaps) - tpot) / tpot
+    gaps = result.gaps if since is None else gaps_after(result, since)
+    return (max(gaps) - tpot) / tpot if gaps else None
+
+
+def _max_added(results: list[RequestResult], since: float | None) -> float | None:
+    added = [a for a in (added_gaps(r, since) for r in results if r.ok) if a is not None]
+    return round(max(added), 2) if added else None
 
 
 async def _streams_while(dep: Any, bodies: Sequence[bytes], during: Any,
@@ -92,11 +113,15 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             inst = first[picked_by]
             label = f"{inst['instance_id']}: {_current_role(client, dep, inst['instance_id'])}->{role}"
 
-            def during(i: dict[str, Any] = inst, r: str = role) -> dict[str, Any]:
+            switch_at: list[float] = []  # when the switch was asked for
+
+            def during(i: dict[str, Any] = inst, r: str = role, asked: list[float] = switch_at) -> dict[str, Any]:
                 if loaded and _current_role(client, dep, i["instance_id"]) == "D":
                     _wait_decoding(client, dep, i["url"], cfg.min_running)
+                    time.sleep(cfg.steady)
                 elif loaded:
                     time.sleep(cfg.switch_after)
+                asked.append(time.perf_counter())
                 return _switch(client, dep, i["instance_id"], r)
 
             if not loaded:
@@ -107,11 +132,9 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                 bodies = build_bodies(work, model, seed=100 + n)
                 results, report = asyncio.run(_streams_while(dep, bodies, during, cfg.request_timeout))
             failed = [r.error for r in results if not r.ok]
-            added = [a for a in (added_gaps(r) for r in results if r.ok) if a is not None]
             last = _last_switch(client, dep, inst["url"])
             moved = {i.split(".")[0] for i in last.get("migrated_ids", [])}
-            moved_gaps = [a for a in (added_gaps(r) for r in results if r.ok and r.request_id in moved)
-                          if a is not None]
+            since = switch_at[0] if switch_at else None
             # A live P <-> D switch answered before its decodes moved out: their pre-copy
             # (from the switch's start) and how many moved are in `last_switch`.
             live = bool(report.get("migrating"))
@@ -121,8 +144,9 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                    **({"migrated": len(last.get("migrated_ids", []))} if live else {}),
                    "handover_s": last.get("handover_s"),
                    "requests": len(results), "failed": len(failed),
-                   "max_added_gaps": round(max(added), 2) if added else None,
-                   "migrated_added_gaps": round(max(moved_gaps), 2) if moved_gaps else None}
+                   "max_added_gaps": _max_added(results, None),
+                   "migrated_added_gaps": _max_added([r for r in results if r.request_id in moved], since),
+                   "others_added_gaps": _max_added([r for r in results if r.request_id not in moved], since)}
             progress(f"  {label} ({'loaded' if loaded else 'idle'}): total {report['total_s'] * 1000:.1f} ms, "
                      f"migrated {report['migrated']}, failed {len(failed)}")
             if failed:
@@ -152,8 +176,9 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
     from triptych.topology import parse_topology
 
     model_dir = resolve_model(cfg.model)
-    dep = LocalDeployment(model=model_dir, topology=parse_topology(cfg.topology), transfer_require="nixl",
-                          instance_cpus=cfg.instance_cpus)
+    dep = LocalDeployment(log_dir=Path(cfg.log_dir) if cfg.log_dir else None, model=model_dir, topology=parse_topology(cfg.topology), transfer_require="nixl",
+                          instance_cpus=cfg.instance_cpus, cpu_period_ms=cfg.instance_cpu_period_ms,
+                          cpu_priority=cfg.priority)
     progress(f"== {cfg.topology}, {cfg.concurrency} streams of {cfg.output_len} tokens under load"
              + (f", {cfg.instance_cpus:g} CPU per instance" if cfg.instance_cpus else ""))
     with dep:
@@ -171,7 +196,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "hand-over ms",
-            "handed back", "failed", "migrated gaps", "max added gaps")
+            "handed back", "failed", "migrated gaps", "others' gaps", "max added gaps")
     rows = [head]
     for r in report["switches"]:
         rows.append((r["switch"], "streams" if r["loaded"] else "idle", fmt(r.get("precopy_s"), 1000, 1),
@@ -179,7 +204,8 @@ def format_table(report: dict[str, Any]) -> str:
                      fmt(r["migrate_s"], 1000, 1), fmt(r["onload_s"], 1000, 1), fmt(r["total_s"], 1000, 1),
                      str(r["migrated"]), fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
                      str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
-                     fmt(r["migrated_added_gaps"], 1, 2), fmt(r["max_added_gaps"], 1, 2)))
+                     fmt(r["migrated_added_gaps"], 1, 2), fmt(r["others_added_gaps"], 1, 2),
+                     fmt(r["max_added_gaps"], 1, 2)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
 

@@ -91,12 +91,13 @@ class EngineDriver:
             except Exception as exc:  # a bug outside the model calls: fail everything, keep serving
                 log.exception("engine step failed")
                 outputs = engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
-            self._hand_over(outputs)
+            self.deliver(outputs)
             if engine.stalled and not outputs:
                 self._wakeup.wait(STALLED_WAIT_S)
 
-    def _hand_over(self, outputs: list[RequestOutput]) -> None:
-        """Runs on the engine thread: one call_soon_threadsafe per event loop."""
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """Outputs to their streams: one call_soon_threadsafe per event loop. Runs on the
+        engine thread after each step, or under the engine's lock (`Engine.set_role`)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
         for out in outputs:
             sink = self._sinks.get(out.request_id)

@@ -118,7 +118,12 @@ class Engine(PulledBlocks, PreCopy):
         only what the new role adds or drops is loaded or freed. Needs an engine holding
         no request (the instance offloads and migrates first)."""
         with self._lock:
-            self._drain_inbox([])  # stray aborts / releases of requests already gone
+            # The inbox runs now (its adds count as held below); its outputs (a live switch's
+            # hand-backs and pre-copy offers, asked for just before) go to their streams at
+            # once, ahead of what a step in flight outputs after it: none may be dropped.
+            drained: list[RequestOutput] = []
+            self._drain_inbox(drained)
+            self.driver.deliver(drained)
             # Hand-overs still parked (a migrated decode, a prefill's KV) wait for their pull
             # under a lease: they may stay across a change that keeps the language model and
             # its KV cache (P <-> D), in the same blocks, released on confirm or expiry.
@@ -318,8 +323,9 @@ class Engine(PulledBlocks, PreCopy):
     def fail_all(self, why: str) -> list[RequestOutput]:
         """After an unexpected step failure: end every request with an error."""
         with self._lock:
-            self._drain_inbox([])
-            return [self.output.finish(r, FinishReason.ERROR, why) for r in list(self._requests.values())]
+            outputs: list[RequestOutput] = []
+            self._drain_inbox(outputs)  # a hand-back in it ends its stream as any other output
+            return outputs + [self.output.finish(r, FinishReason.ERROR, why) for r in list(self._requests.values())]
 
     # --- profiling hooks (profiler.py) -------------------------------------------------
     def measure_prefill(self, num_tokens: int, repeats: int = 3) -> float:
