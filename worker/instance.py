@@ -45,6 +45,7 @@ class InstanceRuntime:
         # The last in-place switch's hand-overs: how many it left parked, and when the last
         # was pulled (seconds from the switch's start; None while one is pending).
         self.last_switch: dict[str, Any] = {}
+        self.parked_at: float | None = None  # when a switch last parked its decodes (time.time())
         self._handover_task: asyncio.Task[None] | None = None
         self.moving_out: asyncio.Task[None] | None = None  # a live switch's decodes leaving (live_switch.py)
         # Migration services (and their transfer agents) of caches a switch dropped while
@@ -158,6 +159,7 @@ class InstanceRuntime:
         assert engine is not None
         decodes = engine.role.runs(Stage.DECODE)
         precopy_s = await self._precopy() if decodes else 0.0
+        self.parked_at = time.time() if decodes else None  # wall clock (last_switch.parked_at)
         engine.offload(migrate=decodes)
         await self._inbox_taken(engine)
         return precopy_s
@@ -221,7 +223,7 @@ class InstanceRuntime:
         # With nothing left parked, the hand-overs were pulled within the migrate phase.
         self.last_switch = {"handover_pending": len(pending),
                             "handover_s": round(migrated - started, 6) if not pending else None,
-                            "migrated_ids": moved}
+                            "migrated_ids": moved, "parked_at": self.parked_at}
         if not pending:
             return
         record = self.last_switch

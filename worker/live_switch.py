@@ -109,6 +109,7 @@ async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], st
         record["precopy_s"] = round(time.monotonic() - started, 6)
         if not current():
             return
+        record["parked_at"] = time.time()  # wall clock: a client finds its stream's hop by it
         engine.park_decodes()
         left = set(leaving)
         if not await wait_for(lambda: not current() or not left & set(engine.request_ids(parked=False)),

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from triptych.bench.stats import RequestResult
-from triptych.bench.switch import added_gaps
+from triptych.bench.switch import added_gaps, hop_gap
 from triptych.cli import main
 
 
@@ -20,6 +20,20 @@ def test_added_gaps_counts_the_pause_in_mean_gaps() -> None:
     assert added_gaps(paused) == pytest.approx(10.0)
     assert added_gaps(RequestResult(ttft=0.1, e2e=0.2, gaps=[0.01, 0.02], num_tokens=3)) is None
     assert added_gaps(RequestResult(error="HTTP 503")) is None
+
+
+def test_the_hop_gap_is_the_pause_that_spans_the_park_and_gaps_count_from_the_switch() -> None:
+    # Tokens 10 ms apart from t=100.1, but one pause of 50 ms after the 10th (at 100.19).
+    times = [0.1 + 0.01 * i for i in range(10)] + [0.14 + 0.01 * i for i in range(10, 20)]
+    r = RequestResult(ttft=0.1, e2e=times[-1], gaps=[b - a for a, b in zip(times, times[1:], strict=False)],
+                      num_tokens=20,
+                      sent_at=100.0, token_times=times)
+    tpot = r.tpot
+    assert hop_gap(r, parked_at=100.2) == pytest.approx((0.05 - tpot) / tpot)
+    assert hop_gap(r, parked_at=100.15) == pytest.approx((0.01 - tpot) / tpot)  # an ordinary gap spans it
+    assert hop_gap(r, parked_at=101.0) is None  # the stream had ended
+    assert added_gaps(r, since=100.25) == pytest.approx((0.01 - tpot) / tpot)  # the pause came before
+    assert added_gaps(r, since=100.0) == pytest.approx(added_gaps(r))
 
 
 @pytest.mark.slow
@@ -38,5 +52,5 @@ def test_bench_switch_runs_the_cycle_and_loses_nothing(capsys: pytest.CaptureFix
     assert all(r["requests"] == 4 for r in rows if r["loaded"])
     for r in rows:
         if r["migrated"]:  # the migrated streams were told apart (by request id) and measured
-            assert r["migrated_added_gaps"] is not None, r
+            assert r["migrated_added_gaps"] is not None and r["hop_added_gaps"] is not None, r
             assert r["handover_s"] is not None and r["handover_s"] >= r["offload_s"] + r["migrate_s"] - 1e-5, r

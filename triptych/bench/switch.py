@@ -19,7 +19,10 @@ ended after the switch was asked for (a D->X switch is asked `--steady` seconds 
 instance runs `--min-running` decodes, once their admissions settled); `others' gaps` the
 same over the streams that did not move (what the switch cost everyone: on a shared CPU, the
 migration's work slows the other instances too; `--instance-cpus` gives each its own share),
-and `max added gaps` the maximum over every stream of the switch, whole streams. `hand-over ms`: from the switch's start until the
+and `max added gaps` the maximum over every stream of the switch, whole streams. `hop gaps` is the migration's own
+cost: in each moved stream, the gap that spans the moment its source parked it
+(`last_switch.parked_at`, wall clock) — from its last token there to its first at the new
+instance — less one TPOT, in TPOTs (the largest over the moved streams). `hand-over ms`: from the switch's start until the
 last decode it parked was pulled by its new instance (`last_switch.handover_s`; a P <-> D
 switch answers before its decodes are even parked).
 """
@@ -88,6 +91,27 @@ def added_gaps(result: RequestResult, since: float | None = None) -> float | Non
     return (max(gaps) - tpot) / tpot if gaps else None
 
 
+def hop_gap(result: RequestResult, parked_at: float) -> float | None:
+    """The added gaps of the pause a migration put in the stream: the gap that spans
+    `parked_at` (a `time.perf_counter()` value: when the source parked its decodes), less
+    one TPOT, in TPOTs. None when no gap spans it (the stream had ended)."""
+    tpot = result.tpot
+    if tpot is None or tpot <= 0 or result.sent_at is None:
+        return None
+    times = [result.sent_at + t for t in result.token_times]
+    for a, b in zip(times, times[1:], strict=False):
+        if a <= parked_at < b:
+            return (b - a - tpot) / tpot
+    return None
+
+
+def _max_hop_gap(results: list[RequestResult], parked_at: float | None) -> float | None:
+    if parked_at is None:
+        return None
+    hops = [h for h in (hop_gap(r, parked_at) for r in results if r.ok) if h is not None]
+    return round(max(hops), 2) if hops else None
+
+
 def _max_added(results: list[RequestResult], since: float | None) -> float | None:
     added = [a for a in (added_gaps(r, since) for r in results if r.ok) if a is not None]
     return round(max(added), 2) if added else None
@@ -135,6 +159,9 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             last = _last_switch(client, dep, inst["url"])
             moved = {i.split(".")[0] for i in last.get("migrated_ids", [])}
             since = switch_at[0] if switch_at else None
+            # The source's wall clock, on this clock: the hop's pause spans it.
+            parked_at = last["parked_at"] - time.time() + time.perf_counter() if last.get("parked_at") else None
+            migrated_results = [r for r in results if r.request_id in moved]
             # A live P <-> D switch answered before its decodes moved out: their pre-copy
             # (from the switch's start) and how many moved are in `last_switch`.
             live = bool(report.get("migrating"))
@@ -145,7 +172,8 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                    "handover_s": last.get("handover_s"),
                    "requests": len(results), "failed": len(failed),
                    "max_added_gaps": _max_added(results, None),
-                   "migrated_added_gaps": _max_added([r for r in results if r.request_id in moved], since),
+                   "migrated_added_gaps": _max_added(migrated_results, since),
+                   "hop_added_gaps": _max_hop_gap(migrated_results, parked_at),
                    "others_added_gaps": _max_added([r for r in results if r.request_id not in moved], since)}
             progress(f"  {label} ({'loaded' if loaded else 'idle'}): total {report['total_s'] * 1000:.1f} ms, "
                      f"migrated {report['migrated']}, failed {len(failed)}")
@@ -196,7 +224,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "hand-over ms",
-            "handed back", "failed", "migrated gaps", "others' gaps", "max added gaps")
+            "handed back", "failed", "hop gaps", "migrated gaps", "others' gaps", "max added gaps")
     rows = [head]
     for r in report["switches"]:
         rows.append((r["switch"], "streams" if r["loaded"] else "idle", fmt(r.get("precopy_s"), 1000, 1),
@@ -204,7 +232,8 @@ def format_table(report: dict[str, Any]) -> str:
                      fmt(r["migrate_s"], 1000, 1), fmt(r["onload_s"], 1000, 1), fmt(r["total_s"], 1000, 1),
                      str(r["migrated"]), fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
                      str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
-                     fmt(r["migrated_added_gaps"], 1, 2), fmt(r["others_added_gaps"], 1, 2),
+                     fmt(r["hop_added_gaps"], 1, 2), fmt(r["migrated_added_gaps"], 1, 2),
+                     fmt(r["others_added_gaps"], 1, 2),
                      fmt(r["max_added_gaps"], 1, 2)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows)
