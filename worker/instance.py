@@ -13,11 +13,12 @@ from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
 from triptych.worker.engine.role_change import keeps_handovers, preload_parts, same_parts
-from triptych.worker.live_switch import await_moved_out, switch_live, wait_for
+from triptych.worker.live_switch import await_moved_out, switch_live
 from triptych.worker.migration import MigrationService
 from triptych.worker.settings import WorkerSettings
 from triptych.worker.transfer import TransferEngine
 from triptych.worker.video_pull import VideoPuller
+from triptych.worker.waits import wait_for
 
 log = logging.getLogger("triptych.worker.instance")
 
@@ -203,8 +204,7 @@ class InstanceRuntime:
             held = engine.request_ids(parked=not keep_parked)
             return bool(held or self.inflight or self.preparing or (not keep_parked and self.leases_outstanding()))
 
-        while busy() and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
+        await wait_for(lambda: not busy(), deadline - time.monotonic(), 0.002)
         if self.migration is not None and self.leases_outstanding() and not keep_parked:
             log.warning("switch: %d leases unconfirmed after %.0fs; freeing them", self.leases_outstanding(),
                         self.settings.drain_timeout_s)
@@ -212,8 +212,7 @@ class InstanceRuntime:
         for request_id in engine.request_ids(parked=not keep_parked):
             log.warning("switch: aborting request %s that did not finish in time", request_id)
             self.abort(request_id)
-        while engine.request_ids(parked=not keep_parked) and time.monotonic() < deadline + 5.0:
-            await asyncio.sleep(0.005)
+        await wait_for(lambda: not engine.request_ids(parked=not keep_parked), deadline + 5.0 - time.monotonic(), 0.005)
         return sorted(moved)
 
     def _follow_handover(self, pending: list[str], moved: list[str], started: float, migrated: float) -> None:
@@ -230,13 +229,14 @@ class InstanceRuntime:
 
         async def follow() -> None:
             engine = self.engine
-            deadline = time.monotonic() + self.settings.lease_seconds + self.settings.drain_timeout_s
-            while engine is self.engine and engine is not None and time.monotonic() < deadline:
-                if not set(pending) & set(engine.request_ids()) and not any(
-                        m.leases.outstanding() for m in self._retired):
-                    record["handover_s"] = round(time.monotonic() - started, 6)
-                    return
-                await asyncio.sleep(0.005)
+
+            def pulled() -> bool:  # or the engine went: nothing to follow
+                return engine is not self.engine or engine is None or not set(pending) & set(
+                    engine.request_ids()) and not any(m.leases.outstanding() for m in self._retired)
+
+            if await wait_for(pulled, self.settings.lease_seconds + self.settings.drain_timeout_s, 0.005) \
+                    and engine is not None and engine is self.engine:
+                record["handover_s"] = round(time.monotonic() - started, 6)
 
         self._handover_task = asyncio.create_task(follow())
 
@@ -275,8 +275,9 @@ class InstanceRuntime:
 
         async def close_when_released() -> None:
             try:
-                while migration.leases.outstanding():
-                    await asyncio.sleep(0.01)
+                # Leases end by themselves (confirmed, or expired after lease_seconds).
+                await wait_for(lambda: not migration.leases.outstanding(),
+                               self.settings.lease_seconds + self.settings.drain_timeout_s, 0.01)
             finally:
                 migration.stop()
                 transfer.close()
@@ -302,9 +303,7 @@ class InstanceRuntime:
         if self.engine is not None and self.engine.role.runs(Stage.DECODE):
             await self._precopy()
             self.engine.offload(migrate=True)
-        deadline = time.monotonic() + self.settings.drain_timeout_s
-        while (self.inflight or self.leases_outstanding()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await wait_for(lambda: not (self.inflight or self.leases_outstanding()), self.settings.drain_timeout_s, 0.05)
         if self.leases_outstanding():
             log.warning("drain timed out with %d leases outstanding; freeing them", self.leases_outstanding())
             for migration in [self.migration, *self._retired]:

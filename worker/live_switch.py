@@ -19,10 +19,10 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from triptych.topology import InstanceType, Stage
+from triptych.worker.waits import wait_for
 
 if TYPE_CHECKING:
     from triptych.worker.engine.engine import Engine
@@ -33,16 +33,6 @@ log = logging.getLogger("triptych.worker.live_switch")
 # Test-only: hold the old role's decodes this long before they move out, so a test can catch
 # a second switch while the first one's hand-over is still under way. Unset in production.
 MOVE_OUT_DELAY_ENV = "TRIPTYCH_TEST_MOVE_OUT_DELAY_S"
-
-
-async def wait_for(cond: Callable[[], bool], timeout_s: float, poll_s: float = 0.001) -> bool:
-    """Poll until `cond()` holds or `timeout_s` passed; returns whether it held."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(poll_s)
-    return True
 
 
 def leaving_decodes(engine: Engine, role: InstanceType) -> list[str]:
