@@ -30,10 +30,20 @@ def epd4(tmp_path_factory: pytest.TempPathFactory):
     model = tiny_dir("qwen2-vl")
     tmp = tmp_path_factory.mktemp("switch")
     (tmp / "admin").write_text(TOKEN)
-    # A switched-away instance holds its decodes 0.5 s before they move out, so the test of a
-    # second switch always catches the first one's hand-over under way (not only on a slow run).
+    with servekit.start(model, "1E1P2D", tmp, admin_token=TOKEN) as dep:
+        yield model, dep
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory: pytest.TempPathFactory):
+    """1E1P2D whose switched-away instances hold their decodes 1 s before they move out
+    (a test-only hook), so a second switch sent at once always finds the first one's
+    hand-over under way: on a fast run it was over before the second switch arrived."""
+    model = tiny_dir("qwen2-vl")
+    tmp = tmp_path_factory.mktemp("switch-held")
+    (tmp / "admin").write_text(TOKEN)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(MOVE_OUT_DELAY_ENV, "0.5")
+        mp.setenv(MOVE_OUT_DELAY_ENV, "1.0")
         with servekit.start(model, "1E1P2D", tmp, admin_token=TOKEN) as dep:
             mp.delenv(MOVE_OUT_DELAY_ENV)
             yield model, dep
@@ -163,11 +173,10 @@ def _last_switch(dep, instance_id: str) -> dict:
         time.sleep(0.05)
 
 
-def test_a_second_switch_waits_for_the_first_ones_decodes_to_move_out(epd4) -> None:
+def test_a_second_switch_waits_for_the_first_ones_decodes_to_move_out(held) -> None:
     """D -> P answers while its decodes still move out; a P -> D asked for at once waits
     for them (`waited_s`) and then switches: every stream exact, nothing leaked."""
-    model, dep = epd4
-    time.sleep(1.5)
+    model, dep = held
     cases = _cases(8, seed_base=3500)
 
     def both() -> tuple[dict, dict]:
@@ -177,7 +186,7 @@ def test_a_second_switch_waits_for_the_first_ones_decodes_to_move_out(epd4) -> N
     results, (first, second) = asyncio.run(_run_while(model, dep, cases, both))
     print("D->P, then at once P->D:", first, second)
     assert first["role"] == "P" and first["migrating"] >= 1
-    assert second["role"] == "D" and second["waited_s"] > 0.1  # the 0.5 s hold (epd4)
+    assert second["role"] == "D" and second["waited_s"] > 0.1  # the 1 s hold (`held`)
     _assert_exact(model, cases, results)
     servekit.assert_no_leaks(servekit.wait_idle(dep))
 
