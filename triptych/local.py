@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -52,10 +53,24 @@ class StartupError(RuntimeError):
     """A process of the local deployment exited or did not become ready in time."""
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave out in this process
+_PORT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port free now that this process has not handed out before. The kernel may offer a
+    port again as soon as the probe closes it, and a child given a port binds it only after
+    loading its model: two instances started one after the other got the same port (the
+    second failed to bind, and the first answered the second's readiness probe)."""
+    with _PORT_LOCK:
+        for _ in range(1000):
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
+    raise OSError(f"no free port on {host} that was not handed out already")
 
 
 def resolve_model(model: str) -> Path:
