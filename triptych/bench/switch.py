@@ -71,11 +71,14 @@ def _wait_decoding(client: httpx.Client, dep: Any, url: str, min_running: int, t
         time.sleep(0.005)
 
 
+def _arrivals(result: RequestResult) -> list[float]:
+    """Each output token's arrival as a `time.perf_counter()` value (none if unknown)."""
+    return [] if result.sent_at is None else [result.sent_at + t for t in result.token_times]
+
+
 def gaps_after(result: RequestResult, t0: float) -> list[float]:
     """The stream's gaps that ended after `t0` (a `time.perf_counter()` value)."""
-    if result.sent_at is None:
-        return []
-    times = [result.sent_at + t for t in result.token_times]
+    times = _arrivals(result)
     return [b - a for a, b in zip(times, times[1:], strict=False) if b >= t0]
 
 
@@ -96,9 +99,9 @@ def hop_gap(result: RequestResult, parked_at: float) -> float | None:
     `parked_at` (a `time.perf_counter()` value: when the source parked its decodes), less
     one TPOT, in TPOTs. None when no gap spans it (the stream had ended)."""
     tpot = result.tpot
-    if tpot is None or tpot <= 0 or result.sent_at is None:
+    if tpot is None or tpot <= 0:
         return None
-    times = [result.sent_at + t for t in result.token_times]
+    times = _arrivals(result)
     for a, b in zip(times, times[1:], strict=False):
         if a <= parked_at < b:
             return (b - a - tpot) / tpot
