@@ -7,6 +7,12 @@ switch (forwarding the admin token), and answers the worker's report: each phase
 seconds and how many requests were migrated and handed back. Instance ids are the ones
 the router's `/health` lists to an admin.
 
+`POST /admin/instances` `{"url": "http://host:port"}` registers an instance process started
+after the router (the local planner's encoder and V scaling, local_connector.py): the router
+probes its `/health` and routes to it from then on. `DELETE /admin/instances/<instance id>`
+forgets one before it is stopped: no new work goes there, requests already on it finish.
+Both need static discovery; under Kubernetes discovery the pods are the instance set.
+
 `GET /admin/timings?since=N` (the same token) returns the router's exact recent per-request
 overheads (overhead.py, triptych/timings.py), for `bench serve`.
 """
@@ -19,7 +25,7 @@ import logging
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import AnyHttpUrl, BaseModel, ValidationError
 
 from triptych.router.errors import error_type
 from triptych.router.registry import Registry
@@ -38,6 +44,10 @@ class RoleSwitchRequest(BaseModel):
     role: str
 
 
+class RegisterRequest(BaseModel):
+    url: AnyHttpUrl
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": error_type(status), "param": None,
                                    "code": status}}, status_code=status)
@@ -52,7 +62,10 @@ def _auth_failure(request: Request, token: str | None) -> JSONResponse | None:
     return None
 
 
-def add_admin_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClient, admin_token: str | None) -> None:
+def add_admin_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClient, admin_token: str | None,
+                     static_discovery: bool = True) -> None:
+    add_instance_routes(app, registry, client, admin_token, static_discovery)
+
     @app.get("/admin/timings", response_model=None)
     async def timings(request: Request, since: int = 0) -> JSONResponse | TimingsPage:
         # Exact recent per-request overheads of this router (overhead.py; bench serve).
@@ -93,3 +106,48 @@ def add_admin_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClient
                           f"instance {body.instance} refused the switch: {message}")
         log.info("instance %s switched to %s: %s", body.instance, body.role, report)
         return JSONResponse({"instance": body.instance, **report})
+
+
+def add_instance_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClient, admin_token: str | None,
+                        static_discovery: bool) -> None:
+    def refused(request: Request) -> JSONResponse | None:
+        denied = _auth_failure(request, admin_token)
+        if denied is None and not static_discovery:
+            return _error(409, "this router discovers its instances from Kubernetes; scale the deployment instead")
+        return denied
+
+    @app.post("/admin/instances")
+    async def register(request: Request) -> JSONResponse:
+        denied = refused(request)
+        if denied is not None:
+            return denied
+        try:
+            body = RegisterRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            return _error(400, f"expected {{\"url\": \"http://host:port\"}}: {exc.errors()[0]['msg']}")
+        url = str(body.url).rstrip("/")
+        if url in registry.instances:
+            return _error(409, f"{url} is registered already")
+        inst = registry.add_url(url)
+        await registry.refresh_one(client, inst)
+        clash = [i for i in registry.instances.values() if i.instance_id == inst.instance_id and i is not inst]
+        if inst.failures or not inst.instance_id or clash:
+            registry.remove_url(url)
+            why = (f"instance id {inst.instance_id!r} is taken by {clash[0].url}" if clash and inst.instance_id
+                   else f"{url}/health did not answer as a Triptych worker")
+            return _error(409 if clash and inst.instance_id else 502, why)
+        log.info("registered instance %s at %s (%s)", inst.instance_id, url, inst.role)
+        return JSONResponse({"instance_id": inst.instance_id, "url": url, "ready": inst.ready,
+                             "role": inst.role.value if inst.role else UNASSIGNED})
+
+    @app.delete("/admin/instances/{instance_id}")
+    async def unregister(request: Request, instance_id: str) -> JSONResponse:
+        denied = refused(request)
+        if denied is not None:
+            return denied
+        inst = registry.by_instance_id(instance_id)
+        if inst is None:
+            return _error(404, f"no instance {instance_id!r}; the router's /health lists them")
+        registry.remove_url(inst.url)
+        log.info("unregistered instance %s at %s", instance_id, inst.url)
+        return JSONResponse({"instance_id": instance_id, "url": inst.url})

@@ -51,7 +51,7 @@ def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None 
     orchestrator = Orchestrator(registry, client, chooser or Chooser(), orchestrator_config, metrics,
                                 videos=videos)
     app = create_app(config, orchestrator, registry=metrics)
-    add_admin_routes(app, registry, client, config.load_admin_token())
+    add_admin_routes(app, registry, client, config.load_admin_token(), static_discovery=discovery is None)
     inner = app.router.lifespan_context
 
     @asynccontextmanager

@@ -89,6 +89,21 @@ class Registry:
         self.urls = list(urls)
         self.instances = {u: self.instances.get(u) or Instance(url=u) for u in self.urls}
 
+    def add_url(self, url: str) -> Instance:
+        """Register one more instance (`POST /admin/instances`: a process started later)."""
+        if url not in self.instances:
+            self.urls.append(url)
+            self.instances[url] = Instance(url=url)
+        return self.instances[url]
+
+    def remove_url(self, url: str) -> None:
+        """Forget an instance: no new work goes there. Requests already on it keep their
+        connections (they hold the instance, not the registry entry)."""
+        if url in self.instances:
+            self.urls.remove(url)
+            del self.instances[url]
+            self._notify()
+
     def capable(self, stage: Stage, exclude: set[str] = frozenset()) -> list[Instance]:
         return [i for i in self.instances.values() if i.can_run(stage) and i.url not in exclude]
 

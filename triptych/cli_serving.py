@@ -148,9 +148,11 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--autoscale", action="store_true", help="also run the planner (triptych autoscale)")
     p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")
     p.add_argument("--autoscale-standby", type=int, default=0,
-                   help="with --autoscale: extra unassigned instances encoder scaling can take")
+                   help="with --autoscale: extra unassigned instances encoder scaling takes before "
+                        "it starts new processes")
     p.add_argument("--autoscale-video-standby", type=int, default=0,
-                   help="with --autoscale: extra V processes, started parked, V scaling can take")
+                   help="with --autoscale: extra V processes, started parked, V scaling takes before it "
+                        "starts new processes")
     p.add_argument("--autoscale-args", default="", help="with --autoscale: more `triptych autoscale` flags")
     add_admin_token_file(p, "admin token for the children (else TRIPTYCH_ADMIN_TOKEN, else one is generated "
                             "into ~/.cache/triptych/admin-token, mode 0600)")
@@ -162,6 +164,9 @@ def add_autoscale(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--router", required=True, help="router base URL")
     add_admin_token_file(p, "the router's admin token")
     add_listen(p, 8090, "/metrics and /plan")
+    p.add_argument("--spawn-spec", default=None,
+                   help="how to start more instances (a file `serve --autoscale` writes): E and V scaling then "
+                        "start and stop instance processes; without it they only use standbys")
     p.add_argument("--interval", type=float, default=15.0, help="seconds between decisions")
     p.add_argument("--dry-run", action="store_true", help="decide and record, change nothing")
     p.add_argument("--limit", action="append", default=[], metavar="TYPE=MIN:MAX", help="e.g. E=1:4")

@@ -29,6 +29,9 @@ from triptych.topology import UNASSIGNED, InstanceType, parse_topology
 log = logging.getLogger("triptych.local")
 INTERNAL_TOKEN_ENV = "TRIPTYCH_INTERNAL_TOKEN"
 ADMIN_TOKEN_ENV = "TRIPTYCH_ADMIN_TOKEN"
+# A drained worker exits once its work is finished or handed on (worker --drain-timeout,
+# 60 s by default); an instance stopped on its own (local_spawn.py) is killed past this.
+STOP_TIMEOUT_S = 90.0
 
 
 def admin_token_for_serve(path: str | None) -> tuple[str, Path | None]:
@@ -113,6 +116,10 @@ class LocalDeployment:
     instance_cpus: float | None = None  # CPU quota per instance (cgroup); None: share the machine
     cpu_priority: float = 1.0  # weight of a capped instance per CPU of quota, in busy tasks
     cpu_period_ms: float | None = None  # the quota's CFS period (None: the kernel's 100 ms; cpu_quota.py)
+    # Children get SIGTERM when this process dies (Linux PR_SET_PDEATHSIG): for a starter
+    # whose spawning thread lives as long as it (the planner's; local_spawn.py).
+    die_with_parent: bool = False
+    threads: int | None = None  # torch threads per instance (None: from the quota or the core count)
     processes: list[Process] = field(default_factory=list)
     quota: DeploymentGroups | None = None  # the instances' cgroups, while running with quotas
     quota_error: str | None = None  # why --instance-cpus runs without quotas
@@ -138,11 +145,13 @@ class LocalDeployment:
     def workers(self) -> list[Process]:
         return self.processes[:-1]
 
-    def _threads_per_instance(self) -> int:
+    def threads_per_instance(self) -> int:
+        if self.threads is not None:
+            return self.threads
         if self.instance_cpus is not None:  # as many threads as the share has CPUs
             return threads_for(self.instance_cpus)
         instances = sum(self.topology.values()) + len(self.extra_roles)
-        return max(1, (os.cpu_count() or 1) // instances)
+        return max(1, (os.cpu_count() or 1) // max(1, instances))
 
     def instance_quotas(self) -> dict[str, float | None]:
         """CPUs each instance is capped at (None: no quota), by process name."""
@@ -153,7 +162,7 @@ class LocalDeployment:
         return ([f"worker-{kind}-{i}" for kind, n in self.topology.items() for i in range(n)]
                 + [f"worker-{role}-{_extra_index(role, i)}" for i, role in enumerate(self.extra_roles)])
 
-    def _open_quota(self) -> None:
+    def open_quota(self) -> None:
         """Create every instance's cgroup, or say plainly why there will be none."""
         if self.instance_cpus is None or self.quota is not None:
             return
@@ -198,7 +207,7 @@ class LocalDeployment:
 
     def _spawn(self, name: str, args: list[str], port: int, capped: bool = False) -> Process:
         env = dict(os.environ)
-        threads = str(self._threads_per_instance())
+        threads = str(self.threads_per_instance())
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TRIPTYCH_THREADS=threads)
         env.update({INTERNAL_TOKEN_ENV: self.internal_token, ADMIN_TOKEN_ENV: self.admin_token})
         out = subprocess.DEVNULL
@@ -207,6 +216,8 @@ class LocalDeployment:
             out = open(self.log_dir / f"{name}.log", "wb")
         cmd = [sys.executable, "-m", "triptych.cli", *args]
         preexec = self._preexec_for(name) if capped or name == "router" else None
+        if self.die_with_parent:
+            preexec = _with_parent_death_signal(preexec)
         popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                  preexec_fn=preexec)
         return Process(name=name, url=f"http://{self.host}:{port}", popen=popen)
@@ -225,12 +236,12 @@ class LocalDeployment:
         if self.processes:  # already running (e.g. started, then used as a context manager)
             return self
         try:
-            self._open_quota()
+            self.open_quota()
             workers = [self.start_worker(kind, i) for kind, n in self.topology.items() for i in range(n)]
             standby = [self.start_worker(role, _extra_index(role, i)) for i, role in enumerate(self.extra_roles)]
             workers += standby
             self.processes.extend(workers)
-            self._wait_ready(workers)
+            self.wait_ready(workers)
             for proc, role in zip(standby, self.extra_roles, strict=True):
                 if role == InstanceType.V.value:  # parked before the router first sees it
                     r = httpx.post(f"{proc.url}/admin/role", json={"role": UNASSIGNED}, headers=self.admin_headers,
@@ -241,7 +252,7 @@ class LocalDeployment:
                            "--workers", *[w.url for w in workers], *self.router_args]
             router = self._spawn("router", router_args, port)
             self.processes.append(router)
-            self._wait_ready([router])
+            self.wait_ready([router])
         except BaseException:
             self.stop()
             raise
@@ -256,10 +267,10 @@ class LocalDeployment:
         port = int(proc.url.rsplit(":", 1)[1])
         fresh = self._spawn(proc.name, list(args), port, capped=proc.name != "router")
         self.processes[self.processes.index(proc)] = fresh
-        self._wait_ready([fresh])
+        self.wait_ready([fresh])
         return fresh
 
-    def _wait_ready(self, procs: list[Process]) -> None:
+    def wait_ready(self, procs: list[Process]) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         pending = list(procs)
         with httpx.Client(timeout=2.0) as client:
@@ -302,6 +313,16 @@ class LocalDeployment:
         self.stop()
 
 
+def _with_parent_death_signal(then: Callable[[], None] | None) -> Callable[[], None]:
+    def preexec() -> None:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if then is not None:
+            then()
+    return preexec
+
+
 def _router_passthrough(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     if getattr(args, "api_key_file", None):
@@ -328,9 +349,15 @@ def _extra_index(role: str, i: int) -> int | str:
 
 
 def start_planner(deployment: LocalDeployment, token_file: Path, port: int, extra: list[str]) -> Process:
-    """`triptych autoscale` beside the deployment (operator/planner/local_main.py)."""
+    """`triptych autoscale` beside the deployment (operator/planner/local_main.py), with the
+    spec to start more instances like the deployment's own (local_spawn.py), 0600 beside
+    the admin token."""
+    from triptych.local_spawn import SpawnSpec
+
+    spec = token_file.parent / "spawn-spec.json"
+    SpawnSpec.of(deployment).write(spec)
     args = ["autoscale", "--router", deployment.router_url, "--admin-token-file", str(token_file),
-            "--host", deployment.host, "--port", str(port), *extra]
+            "--spawn-spec", str(spec), "--host", deployment.host, "--port", str(port), *extra]
     return deployment._spawn("planner", args, port)
 
 
@@ -382,8 +409,8 @@ def cli_main(args: argparse.Namespace) -> int:
     finally:
         if planner is not None and planner.popen.poll() is None:
             planner.popen.terminate()
-            try:
-                planner.popen.wait(timeout=15)
+            try:  # it stops the instances it started first; each drains (local_spawn.py)
+                planner.popen.wait(timeout=STOP_TIMEOUT_S + 10)
             except subprocess.TimeoutExpired:
                 planner.popen.kill()
         deployment.stop()

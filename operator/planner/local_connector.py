@@ -6,16 +6,16 @@ onload): `POST <router>/admin/role` with `Authorization: Bearer <admin token>` a
 new role. The router's admin view of `/health` lists the instances (id, URL, role, ready,
 load), which is where the connector learns who runs what.
 
-Encoder scaling without a cluster: `triptych serve --autoscale --autoscale-standby N`
-starts N extra instances `unassigned` (warm processes the router already knows); scaling
-E up switches a ready standby to E, scaling down switches the least-loaded E back to
-`unassigned` (it idles, holding no stage). The router has no endpoint to register a
-process started later, so the standby pool bounds scale-up.
-
-V (video decode) scales the same way over standby V processes (`serve --autoscale
---autoscale-video-standby N`): a V process parks on `unassigned` (it reports `"video":
-true`, so it is told apart from an engine standby) and un-parks on `V`; a parked V still
-decodes the GOP sets of videos already planned over it, so scaling V down loses nothing.
+Encoder and V scaling without a cluster: scaling up takes a ready standby first
+(`triptych serve --autoscale --autoscale-standby N` starts N `unassigned` instances, and
+`--autoscale-video-standby N` N parked V processes, warm processes the router knows), then
+starts new instance processes (local_spawn.py, when `serve` handed the planner its spawn
+spec) and registers each with the router (`POST /admin/instances`). Scaling down stops
+instances this planner started first: the router forgets it (`DELETE /admin/instances/<id>`,
+no new work goes there) and the process gets SIGTERM, on which the worker drains. Without
+started ones left it switches the least-loaded instance of the type to `unassigned` (it
+idles, holding no stage; a parked V still decodes the GOP sets of videos already planned
+over it), so scaling down loses nothing either way.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from triptych.local_spawn import InstanceSpawner
 from triptych.operator.planner.policy_types import Decision
 from triptych.topology import UNASSIGNED, InstanceType
 
@@ -34,7 +35,8 @@ class LocalActionError(RuntimeError):
 
 class LocalConnector:
     def __init__(self, router_url: str, admin_token: str | None, timeout_s: float = 300.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+                 transport: httpx.BaseTransport | None = None, spawner: InstanceSpawner | None = None) -> None:
+        self.spawner = spawner
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         # a switch answers once the instance serves its new role (weights loaded or dropped)
         self._http = httpx.Client(base_url=router_url.rstrip("/"), headers=headers,
@@ -80,15 +82,52 @@ class LocalConnector:
         if n > len(mine):
             # a V standby is a parked video decoder; an engine standby is anything else
             standby = [i for i in instances if i.get("role") == UNASSIGNED and i.get("ready")
-                       and bool(i.get("video")) == (kind is InstanceType.V)]
-            if len(standby) < n - len(mine):
+                       and bool(i.get("video")) == (kind is InstanceType.V)][:n - len(mine)]
+            missing = n - len(mine) - len(standby)
+            if missing and self.spawner is None:
                 raise LocalActionError(f"{kind.value} to {n} needs {n - len(mine)} standby instance(s), "
                                        f"{len(standby)} ready (serve --autoscale-"
-                                       f"{'video-' if kind is InstanceType.V else ''}standby)")
-            for inst in standby[:n - len(mine)]:
+                                       f"{'video-' if kind is InstanceType.V else ''}standby), and this "
+                                       "planner starts no processes (no --spawn-spec)")
+            for inst in standby:
                 self.switch_role(_id(inst), kind)
-        for inst in sorted(mine, key=_load)[:max(0, len(mine) - n)]:
-            self.switch_role(_id(inst), UNASSIGNED)
+            for _ in range(missing):
+                self.spawn(kind)
+        # the ones this planner started go first: stopping them frees their CPU and memory
+        started = self.spawner.owns if self.spawner is not None else (lambda _: False)
+        for inst in sorted(mine, key=lambda i: (not started(_id(i)), _load(i)))[:max(0, len(mine) - n)]:
+            if started(_id(inst)):
+                self.retire(_id(inst))
+            else:
+                self.switch_role(_id(inst), UNASSIGNED)
+
+    def spawn(self, kind: InstanceType) -> str:
+        """Start an instance process of `kind` and register it with the router: its id."""
+        assert self.spawner is not None
+        try:
+            instance_id, url = self.spawner.start(kind)
+        except Exception as e:  # a StartupError, or the process could not be started at all
+            raise LocalActionError(f"starting a {kind.value} instance failed: {e}") from e
+        try:
+            r = self._http.post("/admin/instances", json={"url": url})
+            failure = None if r.status_code == 200 else f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.HTTPError as e:
+            failure = f"{type(e).__name__}: {e}"
+        if failure is not None:
+            self.spawner.stop(instance_id)
+            raise LocalActionError(f"the router did not take the new instance {instance_id}: {failure}")
+        return instance_id
+
+    def retire(self, instance_id: str) -> None:
+        """The router forgets a started instance, then it drains and exits."""
+        assert self.spawner is not None
+        try:
+            r = self._http.delete(f"/admin/instances/{instance_id}")
+        except httpx.HTTPError as e:
+            raise LocalActionError(f"DELETE /admin/instances/{instance_id}: {type(e).__name__}: {e}") from e
+        if r.status_code not in (200, 404):  # 404: the router had forgotten it already
+            raise LocalActionError(f"DELETE /admin/instances/{instance_id}: HTTP {r.status_code}: {r.text[:200]}")
+        self.spawner.stop(instance_id)
 
     def record(self, decision: Decision) -> None:
         self.decisions.append(decision)
@@ -116,7 +155,17 @@ class LocalConnector:
         return None
 
     def close(self) -> None:
-        self._http.close()
+        """Stop the instances this planner started (they drain), then the HTTP client."""
+        try:
+            for instance_id in list(self.spawner.running) if self.spawner is not None else []:
+                try:
+                    self._http.delete(f"/admin/instances/{instance_id}")
+                except httpx.HTTPError:
+                    pass  # the router may be gone already (serve stops it after the planner)
+            if self.spawner is not None:
+                self.spawner.close()
+        finally:
+            self._http.close()
 
 
 def _id(inst: dict[str, Any]) -> str:

@@ -4,7 +4,9 @@
 Every `--interval` seconds: the router's admin `/health` says which instances run which
 role; one scrape of the router's and each worker's `/metrics` (signals.Scraper, rates from
 the previous scrape) gives the Snapshot; the driver decides; the LocalConnector acts
-through the router's `POST /admin/role`. `/metrics` and `/plan` are served on `--port`.
+through the router's `POST /admin/role`, and with `--spawn-spec` (which `serve` passes)
+scales E and V by starting and stopping instance processes (local_spawn.py). `/metrics`
+and `/plan` are served on `--port`.
 With `--profile` (or `--gpu` and `--model`) the driver also replans on the recent
 workload every `--replan-interval` seconds.
 """
@@ -102,7 +104,12 @@ def cli_main(args: argparse.Namespace) -> int:
     driver = Driver(policy_from_args(args), DriverConfig(interval_s=args.interval,
                                                          replan_interval_s=args.replan_interval),
                     replanner_from_args(args), metrics)
-    connector = LocalConnector(args.router, token)
+    spawner = None
+    if getattr(args, "spawn_spec", None):
+        from triptych.local_spawn import InstanceSpawner, SpawnSpec
+
+        spawner = InstanceSpawner(SpawnSpec.read(args.spawn_spec))
+    connector = LocalConnector(args.router, token, spawner=spawner)
     planner = LocalPlanner(args.router, driver, connector, Scraper([args.router]))
     endpoint = PlannerEndpoint(args.host, args.port, metrics.registry, driver.document).start()
     stop = threading.Event()

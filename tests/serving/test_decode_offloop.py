@@ -42,7 +42,7 @@ def encoder(tmp_path_factory: pytest.TempPathFactory):
     worker = dep.start_worker(InstanceType.E, 0)
     dep.processes.append(worker)
     try:
-        dep._wait_ready([worker])
+        dep.wait_ready([worker])
         yield model, dep, worker
     finally:
         dep.stop()

@@ -86,7 +86,7 @@ def test_unclaimed_handoff_expires_and_frees(epd3) -> None:
     finally:
         dep.worker_args = args
     try:
-        dep._wait_ready([p])
+        dep.wait_ready([p])
         _unclaimed_handoff(model, dep, p)
     finally:
         p.popen.kill()
