@@ -1,6 +1,8 @@
 """A stub router for the local planner's tests: the admin `/health` instance list, the
-`POST /admin/role` contract (recorded, token checked), and recorded `/metrics` for the
-router and each instance (`<router>/w/<id>/metrics`)."""
+`POST /admin/role` contract (recorded, token checked), `POST /admin/instances` and
+`DELETE /admin/instances/<id>` (recorded; a registered URL `<router>/w/<id>` becomes an
+instance `<id>` of the role its id starts with), and recorded `/metrics` for the router and
+each instance (`<router>/w/<id>/metrics`)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ class StubRouter:
     instances: list[dict[str, Any]]  # instance_id, role, ready, load
     waiting: dict[str, float] = field(default_factory=dict)  # instance id -> waiting requests
     refuse: bool = False
+    refuse_register: bool = False
     video_gop_sets: float | None = None  # the router's triptych_frontend_video_queued_gop_sets
     calls: list[tuple[dict[str, Any], str | None]] = field(default_factory=list)
 
@@ -44,6 +47,13 @@ class StubRouter:
                 stub.calls.append((body, auth))
                 if auth != f"Bearer {stub.token}":
                     self._send(401, b'{"error": {"message": "admin token required"}}')
+                elif self.path == "/admin/instances":
+                    if stub.refuse_register:
+                        self._send(502, b'{"error": {"message": "did not answer as a Triptych worker"}}')
+                        return
+                    iid = body["url"].rstrip("/").rsplit("/", 1)[1]
+                    stub.instances.append({"instance_id": iid, "role": iid.split("-")[0], "load": 0, "ready": True})
+                    self._send(200, json.dumps({"instance_id": iid}).encode())
                 elif stub.refuse:
                     self._send(409, b'{"error": {"message": "switch in progress"}}')
                 else:
@@ -51,6 +61,12 @@ class StubRouter:
                         if inst["instance_id"] == body["instance"]:
                             inst["role"] = body["role"]
                     self._send(200, json.dumps({"instance": body["instance"], "role": body["role"]}).encode())
+
+            def do_DELETE(self) -> None:
+                stub.calls.append(({"delete": self.path}, self.headers.get("Authorization")))
+                iid = self.path.rsplit("/", 1)[1]
+                stub.instances[:] = [i for i in stub.instances if i["instance_id"] != iid]
+                self._send(200, json.dumps({"instance_id": iid}).encode())
 
             def _send(self, code: int, body: bytes) -> None:
                 self.send_response(code)
@@ -85,7 +101,13 @@ class StubRouter:
                 f'triptych_worker_requests{{role="{role}",state="waiting"}} {self.waiting.get(instance, 0)}\n')
 
     def switched(self) -> list[tuple[str, str]]:
-        return [(b["instance"], b["role"]) for b, _ in self.calls]
+        return [(b["instance"], b["role"]) for b, _ in self.calls if "instance" in b]
+
+    def registered(self) -> list[str]:
+        return [b["url"] for b, _ in self.calls if "url" in b]
+
+    def deleted(self) -> list[str]:
+        return [b["delete"] for b, _ in self.calls if "delete" in b]
 
     def close(self) -> None:
         self.server.shutdown()

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from stub_router import StubRouter
 
+from triptych.local import StartupError
 from triptych.operator.planner.driver import Driver, PlannerMetrics
 from triptych.operator.planner.endpoint import PlannerEndpoint
 from triptych.operator.planner.local_connector import LocalConnector
@@ -123,6 +124,87 @@ def test_encoder_scale_up_without_a_standby_is_an_error() -> None:
         ticks(p, clock, 2)
         assert stub.calls == []
         assert "standby" in (p.driver.document().actuation_error or "")
+    finally:
+        stub.close()
+
+
+class FakeSpawner:
+    """The InstanceSpawner's surface (local_spawn.py): a started instance `<type>-a<n>` is
+    served by the stub router at `<router>/w/<id>`."""
+
+    def __init__(self, router: StubRouter, fail: str | None = None) -> None:
+        self.router, self.fail = router, fail
+        self.running: dict[str, str] = {}
+        self.stopped: list[str] = []
+        self.closed = False
+
+    def start(self, kind: T) -> tuple[str, str]:
+        if self.fail:
+            raise StartupError(self.fail)
+        iid = f"{kind.value}-a{len(self.running) + len(self.stopped)}"
+        self.running[iid] = f"{self.router.url}/w/{iid}"
+        return iid, self.running[iid]
+
+    def owns(self, instance_id: str) -> bool:
+        return instance_id in self.running
+
+    def stop(self, instance_id: str) -> int:
+        del self.running[instance_id]
+        self.stopped.append(instance_id)
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def spawning_planner(stub: StubRouter, spawner: FakeSpawner) -> tuple[LocalPlanner, Clock]:
+    clock = Clock()
+    driver = Driver(ENC, metrics=PlannerMetrics(deployment="local"), clock=clock)
+    conn = LocalConnector(stub.url, TOKEN, spawner=spawner)  # type: ignore[arg-type]
+    return LocalPlanner(stub.url, driver, conn, Scraper([stub.url])), clock
+
+
+def test_encoder_scaling_starts_a_process_past_the_standbys_and_stops_it_first() -> None:
+    stub = StubRouter(TOKEN, [inst("E-0", "E", load=30), inst("P-0", "P"), inst("D-0", "D")])
+    spawner = FakeSpawner(stub)
+    try:
+        p, clock = spawning_planner(stub, spawner)
+        ticks(p, clock, 2)  # 30 queued images on one E, for 2 snapshots
+        assert list(spawner.running) == ["E-a0"] and stub.registered() == [f"{stub.url}/w/E-a0"]
+        assert p.driver.document().counts == {"E": 2, "P": 1, "D": 1} and p.driver.document().actuation_error is None
+        for i in stub.instances:
+            i["load"] = 0  # the encode queue drains; E-0 is the busier one
+        stub.instances[0]["load"] = 1
+        ticks(p, clock, 2)
+        assert stub.deleted() == ["/admin/instances/E-a0"] and spawner.stopped == ["E-a0"]
+        assert stub.switched() == []  # the deployment's own E-0 is not parked
+        assert all(auth == f"Bearer {TOKEN}" for _, auth in stub.calls)
+        p.connector.close()
+        assert spawner.closed
+    finally:
+        stub.close()
+
+
+def test_a_process_that_does_not_start_is_an_actuation_error() -> None:
+    stub = StubRouter(TOKEN, [inst("E-0", "E", load=30), inst("P-0", "P"), inst("D-0", "D")])
+    try:
+        p, clock = spawning_planner(stub, FakeSpawner(stub, fail="not ready after 180s: worker-E-a0"))
+        ticks(p, clock, 2)
+        assert stub.calls == []
+        assert "starting a E instance failed: not ready after 180s" in (p.driver.document().actuation_error or "")
+    finally:
+        stub.close()
+
+
+def test_a_started_process_the_router_refuses_is_stopped() -> None:
+    stub = StubRouter(TOKEN, [inst("E-0", "E", load=30), inst("P-0", "P"), inst("D-0", "D")], refuse_register=True)
+    spawner = FakeSpawner(stub)
+    try:
+        p, clock = spawning_planner(stub, spawner)
+        ticks(p, clock, 2)
+        assert spawner.stopped == ["E-a0"] and not spawner.running
+        error = p.driver.document().actuation_error or ""
+        assert "the router did not take the new instance E-a0: HTTP 502" in error
     finally:
         stub.close()
 
