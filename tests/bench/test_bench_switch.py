@@ -8,7 +8,7 @@ import json
 import pytest
 
 from triptych.bench.stats import RequestResult
-from triptych.bench.switch import added_gaps, hop_gap
+from triptych.bench.switch import _max_hop_gap, added_gaps, hop_gap
 from triptych.cli import main
 
 
@@ -36,6 +36,25 @@ def test_the_hop_gap_is_the_pause_that_spans_the_park_and_gaps_count_from_the_sw
     assert added_gaps(r, since=100.0) == pytest.approx(added_gaps(r))
 
 
+def test_the_net_hop_gap_discounts_a_stall_every_stream_had_at_the_park() -> None:
+    def stream(pause_after: int, pause_s: float) -> RequestResult:
+        times = [0.1 + 0.01 * i for i in range(pause_after)]
+        times += [times[-1] + pause_s + 0.01 * i for i in range(20 - pause_after)]
+        return RequestResult(ttft=0.1, e2e=times[-1], gaps=[b - a for a, b in zip(times, times[1:], strict=False)],
+                             num_tokens=20, sent_at=100.0, token_times=times)
+
+    moved = stream(10, 0.08)  # the hop: an 80 ms pause spanning the park at 100.2
+    stalled = [stream(10, 0.05), stream(10, 0.06), stream(10, 0.01)]  # two others stalled too
+    tpot = moved.tpot
+    assert _max_hop_gap([moved], 100.2) == round((0.08 - tpot) / tpot, 2)
+    # net of the others' median pause at that moment (50 ms), not of one TPOT
+    assert _max_hop_gap([moved], 100.2, stalled) == round((0.08 - 0.05) / tpot, 2)
+    # others that paused less than a TPOT leave the plain hop gap
+    calm = [stream(10, 0.001)] * 3
+    assert _max_hop_gap([moved], 100.2, calm) == _max_hop_gap([moved], 100.2)
+    assert _max_hop_gap([moved], 100.2, []) is None  # nothing to compare with
+
+
 @pytest.mark.slow
 def test_bench_switch_runs_the_cycle_and_loses_nothing(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "switch", "--topology", "1E1P2D", "--concurrency", "4", "--output-len", "24",
@@ -53,4 +72,6 @@ def test_bench_switch_runs_the_cycle_and_loses_nothing(capsys: pytest.CaptureFix
     for r in rows:
         if r["migrated"]:  # the migrated streams were told apart (by request id) and measured
             assert r["migrated_added_gaps"] is not None and r["hop_added_gaps"] is not None, r
+            if r["hop_net_gaps"] is not None:
+                assert r["hop_net_gaps"] <= r["hop_added_gaps"] + 1e-9, r
             assert r["handover_s"] is not None and r["handover_s"] >= r["offload_s"] + r["migrate_s"] - 1e-5, r

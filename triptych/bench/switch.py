@@ -22,7 +22,11 @@ migration's work slows the other instances too; `--instance-cpus` gives each its
 and `max added gaps` the maximum over every stream of the switch, whole streams. `hop gaps` is the migration's own
 cost: in each moved stream, the gap that spans the moment its source parked it
 (`last_switch.parked_at`, wall clock) — from its last token there to its first at the new
-instance — less one TPOT, in TPOTs (the largest over the moved streams). `hand-over ms`: from the switch's start until the
+instance — less one TPOT, in TPOTs (the largest over the moved streams). `hop net` is the
+same less, instead of one TPOT, the pause the streams that did not move had at that moment
+where it is longer (their median gap spanning the park): on shared cores every stream
+stalls together at times (the router relays nothing for tens of ms while the workers run),
+and `hop net` is what the hop added beyond such a stall. `hand-over ms`: from the switch's start until the
 last decode it parked was pulled by its new instance (`last_switch.handover_s`; a P <-> D
 switch answers before its decodes are even parked).
 """
@@ -94,24 +98,42 @@ def added_gaps(result: RequestResult, since: float | None = None) -> float | Non
     return (max(gaps) - tpot) / tpot if gaps else None
 
 
-def hop_gap(result: RequestResult, parked_at: float) -> float | None:
-    """The added gaps of the pause a migration put in the stream: the gap that spans
-    `parked_at` (a `time.perf_counter()` value: when the source parked its decodes), less
-    one TPOT, in TPOTs. None when no gap spans it (the stream had ended)."""
-    tpot = result.tpot
-    if tpot is None or tpot <= 0:
-        return None
+def gap_at(result: RequestResult, t: float) -> float | None:
+    """Seconds of the stream's gap that spans `t` (a `time.perf_counter()` value); None
+    when no gap spans it (the stream had not started or had ended)."""
     times = _arrivals(result)
     for a, b in zip(times, times[1:], strict=False):
-        if a <= parked_at < b:
-            return (b - a - tpot) / tpot
+        if a <= t < b:
+            return b - a
     return None
 
 
-def _max_hop_gap(results: list[RequestResult], parked_at: float | None) -> float | None:
+def hop_gap(result: RequestResult, parked_at: float, concurrent: float = 0.0) -> float | None:
+    """The added gaps of the pause a migration put in the stream: the gap that spans
+    `parked_at` (when the source parked its decodes), less one TPOT, in TPOTs. With
+    `concurrent` (seconds: the pause the streams that did not move had at that same moment),
+    less that pause instead where it is longer: what the hop added beyond a stall every
+    stream had. None when no gap spans it (the stream had ended)."""
+    tpot = result.tpot
+    gap = gap_at(result, parked_at)
+    if tpot is None or tpot <= 0 or gap is None:
+        return None
+    return (gap - max(tpot, concurrent)) / tpot
+
+
+def _max_hop_gap(results: list[RequestResult], parked_at: float | None, others: list[RequestResult] | None = None
+                 ) -> float | None:
+    """The largest hop gap over the moved streams; with `others` (the streams that did not
+    move), net of their median pause at the park (`hop_gap`'s `concurrent`)."""
     if parked_at is None:
         return None
-    hops = [h for h in (hop_gap(r, parked_at) for r in results if r.ok) if h is not None]
+    concurrent = 0.0
+    if others is not None:
+        paused = sorted(g for g in (gap_at(r, parked_at) for r in others if r.ok) if g is not None)
+        if not paused:
+            return None
+        concurrent = paused[len(paused) // 2]
+    hops = [h for h in (hop_gap(r, parked_at, concurrent) for r in results if r.ok) if h is not None]
     return round(max(hops), 2) if hops else None
 
 
@@ -165,6 +187,7 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             # The source's wall clock, on this clock: the hop's pause spans it.
             parked_at = last["parked_at"] - time.time() + time.perf_counter() if last.get("parked_at") else None
             migrated_results = [r for r in results if r.request_id in moved]
+            others = [r for r in results if r.request_id not in moved]
             # A live P <-> D switch answered before its decodes moved out: their pre-copy
             # (from the switch's start) and how many moved are in `last_switch`.
             live = bool(report.get("migrating"))
@@ -177,7 +200,8 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                    "max_added_gaps": _max_added(results, None),
                    "migrated_added_gaps": _max_added(migrated_results, since),
                    "hop_added_gaps": _max_hop_gap(migrated_results, parked_at),
-                   "others_added_gaps": _max_added([r for r in results if r.request_id not in moved], since)}
+                   "hop_net_gaps": _max_hop_gap(migrated_results, parked_at, others),
+                   "others_added_gaps": _max_added(others, since)}
             progress(f"  {label} ({'loaded' if loaded else 'idle'}): total {report['total_s'] * 1000:.1f} ms, "
                      f"migrated {report['migrated']}, failed {len(failed)}")
             if failed:
@@ -227,7 +251,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "hand-over ms",
-            "handed back", "failed", "hop gaps", "migrated gaps", "others' gaps", "max added gaps")
+            "handed back", "failed", "hop gaps", "hop net", "migrated gaps", "others' gaps", "max added gaps")
     rows = [head]
     for r in report["switches"]:
         rows.append((r["switch"], "streams" if r["loaded"] else "idle", fmt(r.get("precopy_s"), 1000, 1),
@@ -235,7 +259,8 @@ def format_table(report: dict[str, Any]) -> str:
                      fmt(r["migrate_s"], 1000, 1), fmt(r["onload_s"], 1000, 1), fmt(r["total_s"], 1000, 1),
                      str(r["migrated"]), fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
                      str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
-                     fmt(r["hop_added_gaps"], 1, 2), fmt(r["migrated_added_gaps"], 1, 2),
+                     fmt(r["hop_added_gaps"], 1, 2), fmt(r.get("hop_net_gaps"), 1, 2),
+                     fmt(r["migrated_added_gaps"], 1, 2),
                      fmt(r["others_added_gaps"], 1, 2),
                      fmt(r["max_added_gaps"], 1, 2)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
