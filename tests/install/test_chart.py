@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "triptych"
 VALUES_FILES = sorted((CHART / "ci").glob("*.yaml"))
 K8S_VERSIONS = ("1.33", kubernetes_validate.latest_version())
-BUILTIN = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "ConfigMap"}
+BUILTIN = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment", "ConfigMap",
+           "Service"}
 PEERING_RESOURCES = {"kopfpeerings", "clusterkopfpeerings"}
 
 HELM = find_helm()
@@ -145,6 +146,43 @@ def test_every_optional_object_renders() -> None:
                  "KopfPeering", "ClusterKopfPeering"):
         assert kind in {k for k, _ in kinds}, kind
     assert ("ConfigMap", "monitoring") in kinds  # dashboards.namespace
+
+
+@needs_helm
+def test_the_operator_serves_and_the_monitors_scrape_the_planner_metrics() -> None:
+    """The dashboards' planner panel reads triptych_planner_*: the operator serves them
+    (TRIPTYCH_PLANNER_ENDPOINT on operator.plannerPort) and the chart's monitors scrape that
+    port; plannerPort 0 turns all of it off."""
+    def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+        dep = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "demo-triptych-operator")
+        return dep["spec"]["template"]["spec"]["containers"][0]
+
+    monitoring = CHART / "ci" / "monitoring-values.yaml"
+    objects = template(monitoring)
+    container = operator_container(objects)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TRIPTYCH_PLANNER_ENDPOINT"] == "0.0.0.0:8090"
+    assert {"name": "planner", "containerPort": 8090, "protocol": "TCP"} in container["ports"]
+    pod_labels = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    service = by_name[("Service", "demo-triptych-operator-planner")]
+    assert service["spec"]["ports"][0]["targetPort"] == "planner"
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    monitor = by_name[("ServiceMonitor", "demo-triptych-operator")]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == "planner"
+    pods = by_name[("PodMonitor", "demo-triptych-operator")]
+    assert pods["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert pods["spec"]["podMetricsEndpoints"][0]["port"] == "planner"
+    # the router/worker monitors do not pick the operator's Service or pods up twice
+    for kind in ("ServiceMonitor", "PodMonitor"):
+        (expr,) = by_name[(kind, "demo-triptych")]["spec"]["selector"]["matchExpressions"][1:]
+        assert "operator" not in expr["values"]
+
+    off = template(monitoring, "--set", "operator.plannerPort=0")
+    assert "TRIPTYCH_PLANNER_ENDPOINT" not in {e["name"] for e in operator_container(off)["env"]}
+    assert not [o for o in off if o["metadata"]["name"].startswith("demo-triptych-operator") and
+                o["kind"] in ("Service", "ServiceMonitor", "PodMonitor")]
 
 
 def test_chart_crd_is_the_generated_crd() -> None:

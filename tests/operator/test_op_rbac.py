@@ -132,6 +132,9 @@ def test_deploy_runs_two_peered_replicas_with_the_peering_crds() -> None:
     assert (args.command, args.peering, args.standalone) == ("operator", PEERING, False)
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"  # kopf's peer identity
+    # the planner's metrics and /plan (operator/planner/k8s_daemon.py), on a named port
+    assert env["TRIPTYCH_PLANNER_ENDPOINT"]["value"] == "0.0.0.0:8090"
+    assert {"name": "planner", "containerPort": 8090, "protocol": "TCP"} in container["ports"]
 
     crds = {d["spec"]["names"]["plural"]: d for d in yaml.safe_load_all((CRDS / "kopf-peering.yaml").read_text())}
     for kind, scope in ((CLUSTER_PEERING, "Cluster"), (NAMESPACED_PEERING, "Namespaced")):
