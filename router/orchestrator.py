@@ -165,7 +165,8 @@ class Orchestrator:
 
     async def _plan(self, req: GenerationRequest, excluded: set[str]) -> Plan:
         """The attempt's plan; its decisions are counted and its image placement remembered.
-        With no instance for a stage but one mid-switch that runs it before or after, wait
+        With no instance for a stage but one mid-switch that runs it before or after, or one
+        out of rotation after a failure it may come back from (`Registry.recovering`), wait
         (bounded) on the registry's change event for it to come back and plan again."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(self.config.plan_wait_s, self.config.stage_timeout_s)
@@ -173,8 +174,8 @@ class Orchestrator:
             try:
                 return self._plan_now(req, excluded)
             except NoInstanceError as exc:
-                if not (self.registry.switching(exc.stage, excluded)
-                        and await self.registry.wait_for_change(deadline - loop.time())):
+                held = self.registry.switching(exc.stage, excluded) or self.registry.recovering(exc.stage, excluded)
+                if not (held and await self.registry.wait_for_change(deadline - loop.time())):
                     self._decide(exc.stage, "no_instance")
                     raise BackendError(503, str(exc), retry_after=self.config.retry_after_s) from exc
 

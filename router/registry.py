@@ -69,6 +69,14 @@ class Registry:
                 and ((i.role is not None and i.role.runs(stage))
                      or (i.switching_to in InstanceType.__members__ and InstanceType(i.switching_to).runs(stage)))]
 
+    def recovering(self, stage: Stage, exclude: set[str] | frozenset[str] = frozenset()) -> list[Instance]:
+        """Instances of `stage` out of rotation after a failed probe or a broken stream but
+        not given up on (fewer than DEAD_AFTER_FAILURES failures in a row): under overload
+        one slow answer takes an instance out until its next good probe, and a request that
+        needs it is better held until then than failed (bounded, as for a switch)."""
+        return [i for i in self.instances.values() if not i.ready and not i.draining and i.url not in exclude
+                and 0 < i.failures < DEAD_AFTER_FAILURES and i.role is not None and i.role.runs(stage)]
+
     async def wait_for_change(self, timeout_s: float) -> bool:
         """Wait until an instance's rotation state changes (True), or `timeout_s` (False)."""
         if self._changed is None:
@@ -167,6 +175,8 @@ class Registry:
             inst.ready = False
             if inst.failures >= DEAD_AFTER_FAILURES:
                 inst.switching_to = None  # not answering: no longer known to be mid-switch
+            if inst.failures == DEAD_AFTER_FAILURES:
+                self._notify()  # given up on: requests held for it (`recovering`) stop waiting
             log.debug("health probe of %s failed: %s", inst.url, exc)
             return False
 

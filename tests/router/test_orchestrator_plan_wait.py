@@ -1,7 +1,9 @@
-"""Planning while an instance is mid-switch (EPDServe §3.2.4 role switching): a request
-that needs a stage whose every instance is switching waits, bounded by `plan_wait_s`, on
-the registry's change event for one to come back; with no instance of the stage and none
-switching it gets its 503 at once. Against fake workers (fakeworkers.py)."""
+"""Planning while an instance is mid-switch (EPDServe §3.2.4 role switching) or out of
+rotation after one failure: a request that needs a stage whose every instance is switching
+or recovering waits, bounded by `plan_wait_s`, on the registry's change event for one to
+come back; with no instance of the stage and none switching or recovering (given up on
+after DEAD_AFTER_FAILURES failures) it gets its 503 at once. Against fake workers
+(fakeworkers.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from fakeworkers import FakeCluster, collect, expected_tokens, request
 
 from triptych.router.backend import BackendError
+from triptych.router.registry import DEAD_AFTER_FAILURES
 from triptych.topology import InstanceType
 
 GUARD_S = 20.0  # a hang guard only: every test ends long before it or fails on its own
@@ -69,7 +72,8 @@ async def test_the_only_decode_instance_switching_back_to_decode_is_waited_for()
 
 async def test_no_instance_of_a_stage_and_none_switching_is_a_503_at_once():
     async with FakeCluster("1E1P1D") as cluster:
-        cluster.registry.mark_failed(cluster["d0"].url)  # gone (a SIGKILL): not coming back soon
+        for _ in range(DEAD_AFTER_FAILURES):  # gone (a SIGKILL): given up on
+            cluster.registry.mark_failed(cluster["d0"].url)
         cluster.registry.mark_switching(cluster["e0"].url, "P")  # switching, but no decode before or after
         waits = spy_waits(cluster)
         with pytest.raises(BackendError) as err:
@@ -133,3 +137,44 @@ async def test_an_instance_that_stops_answering_mid_switch_is_no_longer_waited_f
         assert registry.switching(Stage.PREFILL)
         await registry.switch_ended(client, "http://d0")
         assert registry.switching(Stage.PREFILL) == [] and not registry.instances["http://d0"].ready
+
+
+async def test_the_only_decode_instance_out_after_one_failure_is_waited_for_and_used():
+    """Under overload one slow probe or broken stream takes the only D out of rotation until
+    its next good probe; requests meanwhile are held, not failed."""
+    async with FakeCluster("1P1D") as cluster:
+        d0 = cluster["d0"]
+        cluster.registry.mark_failed(d0.url)
+        waits = spy_waits(cluster)
+        asyncio.get_running_loop().call_later(  # the registry's next poll finds it answering
+            0.2, lambda: asyncio.ensure_future(cluster.registry.refresh(cluster.client)))
+        tokens, _ = await asyncio.wait_for(collect(cluster.orchestrator(plan_wait_s=60.0), request(max_tokens=4)),
+                                           GUARD_S)
+        assert tokens == expected_tokens(request(max_tokens=4))
+        assert [r.stages for r in d0.runs] == [["decode"]] and waits
+        assert cluster.decisions("decode", "no_instance") == 0
+
+
+async def test_a_recovering_instance_that_stays_down_ends_the_wait_once_given_up_on():
+    async with FakeCluster("1P1D") as cluster:
+        registry = cluster.registry
+        registry.remove_url(cluster["d0"].url)
+        gone = registry.add_url("http://127.0.0.1:9")  # nothing listens: every probe fails
+        gone.role, gone.failures = InstanceType.D, 1
+
+        async def poll() -> None:
+            while True:
+                await asyncio.sleep(0.1)
+                await registry.refresh(cluster.client)
+
+        poller = asyncio.create_task(poll())
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            with pytest.raises(BackendError) as err:
+                await asyncio.wait_for(collect(cluster.orchestrator(plan_wait_s=60.0), request()), GUARD_S)
+        finally:
+            poller.cancel()
+        assert err.value.status_code == 503 and gone.failures >= DEAD_AFTER_FAILURES
+        assert loop.time() - started < 5.0  # woken when given up on, not at plan_wait_s
+        assert cluster.decisions("decode", "no_instance") == 1
