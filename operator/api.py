@@ -116,6 +116,22 @@ class InstanceLimits(Model):
     max: int = Field(ge=1)
 
 
+class ReplanProfileSource(Model):
+    """Step times for the planner's replans (TriInfer Alg. 2 in the simulator): a ConfigMap
+    in the deployment's namespace holding a profile `triptych profile` measured on the
+    serving GPUs (key `profileKey`), or, with `gpu`, the checkpoint's config.json (key
+    `configKey`, and its preprocessor_config.json if present) for HydraInfer Table 2's
+    roofline on that GPU."""
+
+    config_map: str = Field(..., min_length=1, max_length=253, description="the ConfigMap's name")
+    profile_key: str = Field("profile.json", description="key of a measured profile (`triptych profile --out`)")
+    config_key: str = Field("config.json", description="key of the model's config.json (with gpu)")
+    preprocessor_key: str = Field("preprocessor_config.json", description="key of the model's "
+                                  "preprocessor_config.json (with gpu; optional: image patching defaults)")
+    gpu: Literal["H100", "H200", "A100", "L40S"] | None = Field(
+        None, description="without a measured profile: the roofline of this GPU")
+
+
 class AutoscalingConfig(Model):
     """Bounds and pacing for the planner (operator/planner/, docs/planner.md). While enabled,
     the planner owns spec.topology's counts (as an HPA owns a Deployment's replicas)."""
@@ -128,6 +144,9 @@ class AutoscalingConfig(Model):
     encoder_scaling: bool = Field(True, description="add or remove E instances on encode queueing")
     replan_interval_seconds: int = Field(300, ge=10)
     replan_gain: float = Field(1.1, ge=1.0, description="predicted goodput ratio a replan needs to move")
+    replan_profile: ReplanProfileSource | None = Field(
+        None, description="step times the replans simulate with; without it the planner does not replan "
+        "(the reactive, encoder, decode and video rules still run)")
     prometheus_url: str | None = Field(None, pattern=r"^https?://")
     scale_up_cooldown_seconds: int = Field(60, ge=0)
     scale_down_cooldown_seconds: int = Field(300, ge=0)

@@ -9,9 +9,10 @@ With TRIPTYCH_PLANNER_ENDPOINT=host:port the operator serves every daemon's
 `triptych_planner_*` series (label deployment="namespace/name") on `/metrics` and their
 PlanDocuments on `/plan`.
 
-Replans need a step-time profile of the model on its GPUs; the operator has none yet (the
-checkpoint is on the workers' volume), so on Kubernetes the reactive and encoder rules run
-and a replanner can be passed in by whoever has a profile.
+Replans need a step-time profile of the model on its GPUs. The operator does not hold the
+checkpoint (it is on the workers' volume), so `spec.autoscaling.replanProfile` names a
+ConfigMap with a measured profile or the model's config.json for a roofline
+(k8s_profile.py); without it the reactive, encoder, decode and video rules run.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from pydantic import RootModel, ValidationError
 
 from triptych.kube import names
 from triptych.kube.client import MLLM, KubeApiError
-from triptych.operator.api import AutoscalingConfig, InvalidSpecError, parse_spec
+from triptych.operator.api import AutoscalingConfig, InvalidSpecError, ReplanProfileSource, parse_spec
 from triptych.operator.context import OperatorContext
 from triptych.operator.planner.driver import Driver, DriverConfig, PlanDocument, PlannerMetrics, Replanner
 from triptych.operator.planner.endpoint import PlannerEndpoint
 from triptych.operator.planner.k8s_connector import KubeConnector, TokenSource, read_admin_token
+from triptych.operator.planner.k8s_profile import ProfileSourceError, load_replanner
 from triptych.operator.planner.policy_types import Decision, History, PolicyConfig
 from triptych.operator.planner.signals import PrometheusClient, Snapshot, snapshot_from_prometheus
 
@@ -100,6 +102,9 @@ class DeploymentPlanner:
         self.driver: Driver | None = None
         self.prometheus: PrometheusClient | None = None
         self._prometheus_url: str | None = None
+        # spec.autoscaling.replanProfile as last loaded, and why it failed (retried each tick)
+        self._profile: tuple[ReplanProfileSource | None, float, float] | None = None
+        self.profile_error: str | None = None
 
     def _prom(self, url: str) -> PrometheusClient:
         if self.prometheus is None or url != self._prometheus_url:
@@ -126,6 +131,7 @@ class DeploymentPlanner:
                                  self.settings.replanner, self.settings.metrics.view(self.key))
             self.driver.history = seed_history(body.get("status"))
         self.driver.policy = policy
+        await self._replanner(body, auto.replan_profile, spec.slo.ttft_ms / 1000, spec.slo.tbt_ms / 1000)
         self.driver.cfg = self.driver.cfg.model_copy(update={"interval_s": auto.interval_seconds,
                                                              "replan_interval_s": auto.replan_interval_seconds})
         assert auto.prometheus_url is not None  # spec_problems requires it when enabled
@@ -145,6 +151,31 @@ class DeploymentPlanner:
             driver.counts = parse_spec(fresh.get("spec"), name=self.name).counts()
         await self.connector.record(fresh, decision, driver.document())
         return float(auto.interval_seconds)
+
+    async def _replanner(self, body: Mapping[str, Any], source: ReplanProfileSource | None, ttft_slo_s: float,
+                         tbt_slo_s: float) -> None:
+        """(Re)load the replans' step times when spec.autoscaling.replanProfile or the SLOs
+        change, and each tick while loading fails (the ConfigMap may come later); a failure
+        is a Warning Event once per distinct error, and the other rules run without replans."""
+        assert self.driver is not None
+        wanted = (source, ttft_slo_s, tbt_slo_s)
+        if wanted == self._profile and self.profile_error is None:
+            return
+        if source is None:
+            self.driver.replanner, self.profile_error = self.settings.replanner, None
+        else:
+            try:
+                self.driver.replanner = await load_replanner(self.ctx.kube, self.namespace, source, ttft_slo_s,
+                                                             tbt_slo_s)
+                self.driver.replan = None  # a new profile: replan at once
+                self.profile_error = None
+            except (ProfileSourceError, KubeApiError) as e:
+                self.driver.replanner = None
+                if str(e) != self.profile_error:
+                    self.ctx.emit(body, "Warning", "PlannerProfileError", f"no replans: {e}")
+                    log.warning("%s: no replans: %s", self.key, e)
+                self.profile_error = str(e)
+        self._profile = wanted
 
     def close(self) -> None:
         if self.prometheus is not None:

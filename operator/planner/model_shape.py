@@ -107,13 +107,20 @@ def read_shape(model_dir: str | Path) -> ModelShape:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise ModelShapeError(f"cannot read {path}: {exc}") from None
-    pre = _read_optional(Path(model_dir) / "preprocessor_config.json")
+    return shape_of(config, _read_optional(Path(model_dir) / "preprocessor_config.json"), str(path))
+
+
+def shape_of(config: dict[str, Any], pre: dict[str, Any] | None = None, where: str = "config.json") -> ModelShape:
+    """The shape from a checkpoint's config.json (and preprocessor_config.json) contents."""
     kind = config.get("model_type", "")
-    if kind in ("qwen2_vl", "qwen2_5_vl"):
-        return _qwen(config, pre, kind)
-    if kind == "llava":
-        return _llava(config)
-    raise ModelShapeError(f"{path}: model_type {kind!r} is not one the planner knows "
+    try:
+        if kind in ("qwen2_vl", "qwen2_5_vl"):
+            return _qwen(config, pre or {}, kind)
+        if kind == "llava":
+            return _llava(config)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelShapeError(f"{where}: not a complete {kind} config ({type(exc).__name__}: {exc})") from None
+    raise ModelShapeError(f"{where}: model_type {kind!r} is not one the planner knows "
                           "(qwen2_vl, qwen2_5_vl, llava)")
 
 

@@ -68,6 +68,8 @@ class PlanConfig(BaseModel):
     methods: list[str] = Field(default_factory=lambda: list(METHODS))
     sim_instances: int = Field(16, ge=1, description="simulate larger deployments as a slice of this size")
     min_duration_s: float = Field(15.0, gt=0, description="arrivals per simulated run, in seconds")
+    max_requests: int | None = Field(None, ge=1, description="at most this many arrivals per simulated run "
+                                     "(a live replan's time bound; None: min_duration_s alone)")
     step: float = Field(1.03, gt=1, description="goodput grid ratio")
     target: float = ATTAINMENT_TARGET
     pruned_in_ranking: int = Field(10, ge=0)
@@ -104,7 +106,7 @@ def plan(profile: StepProfile, trace: Sequence[TraceRequest], instances: int, si
             cand.simulated_topology = key
         if key not in by_slice:  # neighbouring ratios of a large deployment may share one slice
             g = goodput(counts, profile, compiled, sim, cand.bound_rps / scale, target=cfg.target, step=cfg.step,
-                        min_duration_s=cfg.min_duration_s)
+                        min_duration_s=cfg.min_duration_s, max_requests=cfg.max_requests)
             by_slice[key] = g.goodput_rps
             runs += g.simulations
         cand.goodput_rps = by_slice[key] * scale
@@ -114,7 +116,9 @@ def plan(profile: StepProfile, trace: Sequence[TraceRequest], instances: int, si
     best = shortlist[0]
     counts, scale = _slice(best.kinds(), instances, cfg.sim_instances, costs)
     rate = w.rate / scale
-    at_rate = simulate(counts, profile, compiled.at(rate, max(len(trace), int(rate * cfg.min_duration_s))), sim)
+    n = max(len(trace), int(rate * cfg.min_duration_s))
+    at_rate = simulate(counts, profile, compiled.at(rate, n if cfg.max_requests is None else min(n, cfg.max_requests)),
+                       sim)
     pruned.sort(key=lambda c: -c.bound_rps)
     return PlanResult(
         instances=instances, method=best.method, topology=best.topology, counts=best.counts,
@@ -135,7 +139,7 @@ def evaluate(profile: StepProfile, trace: Sequence[TraceRequest], counts: dict[I
     bound = costs.bound(counts)
     guess = bound / scale if bound not in (0.0, float("inf")) else max(w.rate, 1.0)
     g = goodput(small, profile, CompiledTrace(trace, profile), sim, guess, target=cfg.target, step=cfg.step,
-                min_duration_s=cfg.min_duration_s)
+                min_duration_s=cfg.min_duration_s, max_requests=cfg.max_requests)
     return g.goodput_rps * scale
 
 
@@ -152,7 +156,8 @@ def _confirm(leaders: list[Candidate], profile: StepProfile, trace: Sequence[Tra
         total = cand.goodput_rps or 0.0
         for rep in replicas:
             g = goodput(counts, profile, rep, sim, (cand.goodput_rps or cand.bound_rps) / scale,
-                        target=cfg.target, step=cfg.step, min_duration_s=cfg.min_duration_s)
+                        target=cfg.target, step=cfg.step, min_duration_s=cfg.min_duration_s,
+                        max_requests=cfg.max_requests)
             total += g.goodput_rps * scale
             runs += g.simulations
         cand.goodput_rps = total / (1 + len(replicas))

@@ -51,8 +51,9 @@ class WindowReplanner:
                  num_requests: int = 300) -> None:
         self.profile = profile
         self.sim = sim
-        # a live replan must finish well inside its interval: fewer confirmations than offline
-        self.cfg = cfg or PlanConfig(confirm_replicas=0, min_duration_s=10.0)
+        # a live replan must finish well inside its interval: no confirmations, and runs of
+        # at most 2000 arrivals (a small model on a large GPU passes thousands a second)
+        self.cfg = cfg or PlanConfig(confirm_replicas=0, min_duration_s=10.0, max_requests=2000)
         self.num_requests = num_requests
 
     def __call__(self, snapshots: Sequence[Snapshot], counts: dict[InstanceType, int]) -> Replan | None:

@@ -354,13 +354,15 @@ class Goodput(BaseModel):
 
 def goodput(topology: dict[InstanceType, int], profile: StepProfile, trace: Sequence[TraceRequest] | CompiledTrace,
             cfg: SimConfig, guess: float, *, target: float = ATTAINMENT_TARGET, step: float = 1.03,
-            max_runs: int = 24, min_duration_s: float = 30.0) -> Goodput:
+            max_runs: int = 24, min_duration_s: float = 30.0, max_requests: int | None = None) -> Goodput:
     """HydraInfer §2.3: the highest rate with attainment >= target, searched on the grid
     guess * step**-k (k integer, either sign): gallop from the guess (an analytic capacity
     bound) until one rate passes and one fails, then bisect over k (attainment falls as the
     rate rises). One grid for every candidate makes them comparable: equal goodputs mean
     the same grid cell, i.e. equal within `step`. Each run lasts at least `min_duration_s`
-    of arrivals (the trace is tiled), long enough for an overload's backlog to show."""
+    of arrivals (the trace is tiled), long enough for an overload's backlog to show, and
+    holds at most `max_requests` (a live replan's time bound: a small model on a large GPU
+    serves thousands of requests a second, and 30 s of them take minutes to simulate)."""
     if not math.isfinite(guess) or guess <= 0:
         guess = 1.0  # no analytic bound (e.g. a workload that needs no stage the bound prices)
     cache: dict[int, float] = {}
@@ -369,7 +371,8 @@ def goodput(topology: dict[InstanceType, int], profile: StepProfile, trace: Sequ
     def passes(k: int) -> bool:
         if k not in cache:
             rate = guess * step ** -k
-            run = compiled.at(rate, math.ceil(rate * min_duration_s))
+            n = math.ceil(rate * min_duration_s)
+            run = compiled.at(rate, n if max_requests is None else min(n, max_requests))
             r = simulate(topology, profile, run, cfg, stop_below=target)
             cache[k] = r.slo_attainment if r.sustained else -r.slo_attainment  # negative: not sustained
         return cache[k] >= target

@@ -213,18 +213,24 @@ class KubeClient:
             raise KubeApiError(response.status_code, method, path, str(message)[:500])
         return response.json() if response.content else {}
 
-    async def list(self, kind: Kind, namespace: str | None, labels: Mapping[str, str]) -> list[Obj]:
-        items, _ = await self.list_versioned(kind, namespace, labels)
+    async def list(self, kind: Kind, namespace: str | None, labels: Mapping[str, str],
+                   name: str | None = None) -> list[Obj]:
+        """The matching objects; `name` narrows to one by a field selector (read with the
+        `list` verb, where `get` is not granted)."""
+        items, _ = await self.list_versioned(kind, namespace, labels, name)
         return items
 
-    async def list_versioned(self, kind: Kind, namespace: str | None,
-                             labels: Mapping[str, str]) -> tuple[list[Obj], str]:
+    async def list_versioned(self, kind: Kind, namespace: str | None, labels: Mapping[str, str],
+                             name: str | None = None) -> tuple[list[Obj], str]:
         """The matching objects and the list's resourceVersion (where a watch starts)."""
         path = kind.path(namespace)
         params = {"labelSelector": label_selector(labels)}
+        if name is not None:
+            params["fieldSelector"] = f"metadata.name={name}"
         data = self._check(await self._request("GET", path, params=params), "GET", path)
-        # The server filters by the selector; checking again keeps us correct against any server.
-        items = [o for o in data.get("items", []) if matches(o, labels)]
+        # The server filters by the selectors; checking again keeps us correct against any server.
+        items = [o for o in data.get("items", []) if matches(o, labels)
+                 and (name is None or (o.get("metadata") or {}).get("name") == name)]
         return items, str((data.get("metadata") or {}).get("resourceVersion", ""))
 
     async def watch(self, kind: Kind, namespace: str | None, labels: Mapping[str, str], *,

@@ -13,7 +13,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +73,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def exporter(text: str) -> Iterator[str]:
+def exporter(text: str | Callable[[], str]) -> Iterator[str]:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = text.encode()
+            body = (text() if callable(text) else text).encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain; version=0.0.4")
             self.send_header("Content-Length", str(len(body)))
@@ -275,6 +275,43 @@ async def test_a_deep_video_queue_adds_a_v_pod(env: Env, tmp_path: Path, admin_h
     await wait_for(lambda: sorted(r for r in roles(env).values() if r) == ["D", "E", "P", "V", "V"],
                    what="the new pod serving V")
     assert plan(env)["last_action"]["rule"] == "video" and plan(env)["counts"]["V"] == 2
+
+
+def steady_traffic(started: float = time.time()) -> str:
+    """A router serving 4 requests/s of 1 image, 600 prompt and 64 output tokens each: the
+    counters a replan reads its workload window from (operator/planner/signals.py)."""
+    t = time.time() - started
+    return DEEP_PREFILL + "".join(f"# TYPE {name} counter\n{name}{{model=\"demo\"}} {4 * t * per:.1f}\n" for name, per in (
+        ("triptych_frontend_e2e_request_latency_seconds_count", 1), ("triptych_frontend_images_total", 1),
+        ("triptych_frontend_prompt_tokens_total", 600), ("triptych_frontend_generation_tokens_total", 64)))
+
+
+async def test_replans_run_on_the_roofline_of_the_profile_config_map(env: Env, tmp_path: Path,
+                                                                      admin_headers: list) -> None:
+    """spec.autoscaling.replanProfile: the model's config.json in a ConfigMap and a GPU; the
+    daemon replans on the workload window (status.plan's replanned_at, predicted attainment,
+    the proposal; the operator's predicted-goodput gauge). Before the ConfigMap exists the
+    planner says why it does not replan (a Warning Event) and keeps deciding."""
+    from triptych.tiny_model import tiny_model_path
+
+    config = (tiny_model_path("qwen2-vl") / "config.json").read_text()
+    with exporter(lambda: steady_traffic()) as target, prometheus(target, tmp_path) as prom:
+        await start(env, prom, {"E": 1, "P": 1, "D": 2}, dryRun=True, replanIntervalSeconds=10,
+                    replanProfile={"configMap": "demo-profile", "gpu": "H100"})
+        await wait_for(lambda: events(env, "PlannerProfileError"), timeout=60, what="the missing ConfigMap")
+        assert "ConfigMap serving/demo-profile not found" in events(env, "PlannerProfileError")[0]
+        await env.cluster.request("POST", f"/api/v1/namespaces/{kube_harness.NS}/configmaps", {
+            "apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "demo-profile", "namespace": kube_harness.NS},
+            "data": {"config.json": config}})
+        await wait_for(lambda: plan(env).get("replanned_at") and plan(env).get("proposal"), timeout=90,
+                       what="a replan in status.plan")
+    doc = plan(env)
+    assert doc["predicted_attainment"] is not None and 0 <= doc["predicted_attainment"] <= 1
+    assert doc["proposal"]["method"] in ("E+P+D", "EP+D", "ED+P", "E+PD", "EPD")
+    assert sum(doc["proposal"]["counts"].values()) == 4  # the instances it has, re-planned
+    assert len(events(env, "PlannerProfileError")) == 1  # said once, not every tick
+    metrics = httpx.get(f"http://{k8s_daemon.SETTINGS.endpoint}/metrics", timeout=5).text
+    assert 'triptych_planner_predicted_goodput_rps{deployment="serving/demo"}' in metrics
 
 
 async def _settle(seconds: float) -> None:
