@@ -304,12 +304,21 @@ def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
             if n == 0:  # whichever D the router gave decodes to
                 def during(r: str = role) -> dict:
                     return _switch_a_busy_d(dep, r, min_running=4)
-            results, report = asyncio.run(_run_while(model, dep, cases, during))
-            assert report["role"] == role
+            for _attempt in range(3 if decoding else 1):
+                results, report = asyncio.run(_run_while(model, dep, cases, during))
+                assert report["role"] == role
+                _assert_exact(model, cases, results, expected)
+                time.sleep(1.5)
+                if not decoding or report["migrated"] >= 1:
+                    break
+                # The switch reached the instance after the decodes it waited for had ended (a
+                # race with this test's poll, not a loss: every stream above was exact, none
+                # failed). Switch it back to D and run the step again.
+                _switch(dep, report["instance"], "D")
+                time.sleep(1.5)
             if decoding:
-                assert report["migrated"] >= 1, report
+                assert report["migrated"] >= 1, {k: report.get(k) for k in (
+                    "instance", "migrated", "handed_back", "precopy_s", "offload_s", "migrate_s", "total_s")}
             reports[f"{instance_id}->{role}"] = report
-            _assert_exact(model, cases, results, expected)
-            time.sleep(1.5)
         print("switch reports:", reports)
         servekit.assert_no_leaks(servekit.wait_idle(dep))
