@@ -45,11 +45,16 @@ def admin_token_for_serve(path: str | None) -> tuple[str, Path | None]:
     token = secrets.token_urlsafe(32)
     out = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "triptych" / "admin-token"
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(out, 0o600)  # an existing file keeps its mode through O_CREAT
+    write_private(out, token + "\n")
     return token, out
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a secret owner-only (0600) from its first byte."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
 
 
 class StartupError(RuntimeError):
@@ -337,8 +342,7 @@ def _admin_token_file(token: str) -> Path:
     import tempfile
 
     path = Path(tempfile.mkdtemp(prefix="triptych-admin-")) / "admin-token"
-    path.touch(mode=0o600)
-    path.write_text(token)
+    write_private(path, token)
     return path
 
 

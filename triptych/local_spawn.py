@@ -12,14 +12,13 @@ get SIGTERM if the planner dies, so none outlives the deployment.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from triptych.local import STOP_TIMEOUT_S, LocalDeployment, Process
+from triptych.local import STOP_TIMEOUT_S, LocalDeployment, Process, write_private
 from triptych.topology import InstanceType
 
 
@@ -49,10 +48,7 @@ class SpawnSpec(BaseModel):
 
     def write(self, path: Path) -> None:
         """Owner-only: it holds the deployment's tokens."""
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.model_dump_json())
-        os.chmod(path, 0o600)
+        write_private(path, self.model_dump_json())
 
     @classmethod
     def read(cls, path: Path | str) -> SpawnSpec:
