@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from typing import TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -48,9 +49,24 @@ class RegisterRequest(BaseModel):
     url: AnyHttpUrl
 
 
+Body = TypeVar("Body", bound=BaseModel)
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": error_type(status), "param": None,
                                    "code": status}}, status_code=status)
+
+
+def _no_instance(instance_id: str) -> JSONResponse:
+    return _error(404, f"no instance {instance_id!r}; the router's /health lists them")
+
+
+async def _body(request: Request, model: type[Body], shape: str) -> Body | JSONResponse:
+    """The request body as `model`, or a 400 that shows the expected `shape`."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        return _error(400, f"expected {shape}: {exc.errors()[0]['msg']}")
 
 
 def _auth_failure(request: Request, token: str | None) -> JSONResponse | None:
@@ -77,16 +93,15 @@ def add_admin_routes(app: FastAPI, registry: Registry, client: httpx.AsyncClient
         denied = _auth_failure(request, admin_token)
         if denied is not None:
             return denied
-        try:
-            body = RoleSwitchRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            return _error(400, f"expected {{\"instance\": str, \"role\": str}}: {exc.errors()[0]['msg']}")
+        body = await _body(request, RoleSwitchRequest, '{"instance": str, "role": str}')
+        if isinstance(body, JSONResponse):
+            return body
         if body.role != UNASSIGNED and body.role not in InstanceType.__members__:
             return _error(400, f"unknown role {body.role!r}; expected one of "
                                f"{', '.join(t.value for t in InstanceType)} or {UNASSIGNED}")
         inst = registry.by_instance_id(body.instance)
         if inst is None:
-            return _error(404, f"no instance {body.instance!r}; the router's /health lists them")
+            return _no_instance(body.instance)
         registry.mark_switching(inst.url, body.role)
         try:
             resp = await client.post(f"{inst.url}/admin/role", json={"role": body.role},
@@ -121,21 +136,22 @@ def add_instance_routes(app: FastAPI, registry: Registry, client: httpx.AsyncCli
         denied = refused(request)
         if denied is not None:
             return denied
-        try:
-            body = RegisterRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            return _error(400, f"expected {{\"url\": \"http://host:port\"}}: {exc.errors()[0]['msg']}")
+        body = await _body(request, RegisterRequest, '{"url": "http://host:port"}')
+        if isinstance(body, JSONResponse):
+            return body
         url = str(body.url).rstrip("/")
         if url in registry.instances:
             return _error(409, f"{url} is registered already")
         inst = registry.add_url(url)
         await registry.refresh_one(client, inst)
-        clash = [i for i in registry.instances.values() if i.instance_id == inst.instance_id and i is not inst]
-        if inst.failures or not inst.instance_id or clash:
+        taken = next((i for i in registry.instances.values() if i is not inst and i.instance_id == inst.instance_id),
+                     None)
+        refusal = (_error(502, f"{url}/health did not answer as a Triptych worker")
+                   if inst.failures or not inst.instance_id
+                   else _error(409, f"instance id {inst.instance_id!r} is taken by {taken.url}") if taken else None)
+        if refusal is not None:
             registry.remove_url(url)
-            why = (f"instance id {inst.instance_id!r} is taken by {clash[0].url}" if clash and inst.instance_id
-                   else f"{url}/health did not answer as a Triptych worker")
-            return _error(409 if clash and inst.instance_id else 502, why)
+            return refusal
         log.info("registered instance %s at %s (%s)", inst.instance_id, url, inst.role)
         return JSONResponse({"instance_id": inst.instance_id, "url": url, "ready": inst.ready,
                              "role": inst.role.value if inst.role else UNASSIGNED})
@@ -147,7 +163,7 @@ def add_instance_routes(app: FastAPI, registry: Registry, client: httpx.AsyncCli
             return denied
         inst = registry.by_instance_id(instance_id)
         if inst is None:
-            return _error(404, f"no instance {instance_id!r}; the router's /health lists them")
+            return _no_instance(instance_id)
         registry.remove_url(inst.url)
         log.info("unregistered instance %s at %s", instance_id, inst.url)
         return JSONResponse({"instance_id": instance_id, "url": inst.url})
