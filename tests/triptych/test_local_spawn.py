@@ -9,8 +9,9 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from polling import wait_until
 
 from triptych.local import LocalDeployment
 from triptych.local_spawn import SpawnSpec
@@ -48,17 +49,14 @@ def test_a_started_process_gets_sigterm_when_its_starter_dies() -> None:
                "print(child.pid, flush=True)\n")
     out = subprocess.run([sys.executable, "-c", starter], capture_output=True, text=True, timeout=60, check=True)
     pid = int(out.stdout.split()[0])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def gone() -> bool:
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        try:  # a zombie (exited, not reaped yet) counts as gone
-            if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
-                return
-        except FileNotFoundError:
-            return
-        time.sleep(0.05)
-    os.kill(pid, 9)
-    raise AssertionError("the child outlived its starter by 10 s")
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # exited, not reaped yet
+        except (ProcessLookupError, FileNotFoundError):
+            return True
+
+    if not wait_until(gone, timeout_s=10, interval_s=0.05):
+        os.kill(pid, 9)
+        raise AssertionError("the child outlived its starter by 10 s")
