@@ -45,8 +45,10 @@ def profile_from(data: dict[str, str], source: ReplanProfileSource, where: str) 
     try:
         pre = json.loads(data[source.preprocessor_key]) if source.preprocessor_key in data else {}
         shape = shape_of(json.loads(data[source.config_key]), pre, where=f"{where}[{source.config_key}]")
-    except (ValueError, ModelShapeError) as exc:
-        raise ProfileSourceError(f"{where}: {exc}" if isinstance(exc, json.JSONDecodeError) else str(exc)) from None
+    except json.JSONDecodeError as exc:
+        raise ProfileSourceError(f"{where}: {exc}") from None
+    except ModelShapeError as exc:  # it names the key
+        raise ProfileSourceError(str(exc)) from None
     return roofline_profile(shape, source.gpu)
 
 
