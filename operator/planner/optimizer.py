@@ -25,6 +25,7 @@ from triptych.operator.planner.simulator import (
     ATTAINMENT_TARGET,
     CompiledTrace,
     SimConfig,
+    capped,
     goodput,
     simulate,
 )
@@ -116,9 +117,8 @@ def plan(profile: StepProfile, trace: Sequence[TraceRequest], instances: int, si
     best = shortlist[0]
     counts, scale = _slice(best.kinds(), instances, cfg.sim_instances, costs)
     rate = w.rate / scale
-    n = max(len(trace), int(rate * cfg.min_duration_s))
-    at_rate = simulate(counts, profile, compiled.at(rate, n if cfg.max_requests is None else min(n, cfg.max_requests)),
-                       sim)
+    arrivals = capped(max(len(trace), int(rate * cfg.min_duration_s)), cfg.max_requests)
+    at_rate = simulate(counts, profile, compiled.at(rate, arrivals), sim)
     pruned.sort(key=lambda c: -c.bound_rps)
     return PlanResult(
         instances=instances, method=best.method, topology=best.topology, counts=best.counts,

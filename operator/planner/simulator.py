@@ -352,6 +352,11 @@ class Goodput(BaseModel):
     simulations: int
 
 
+def capped(arrivals: int, max_requests: int | None) -> int:
+    """A simulated run's arrivals, at most `max_requests` (None: no cap)."""
+    return arrivals if max_requests is None else min(arrivals, max_requests)
+
+
 def goodput(topology: dict[InstanceType, int], profile: StepProfile, trace: Sequence[TraceRequest] | CompiledTrace,
             cfg: SimConfig, guess: float, *, target: float = ATTAINMENT_TARGET, step: float = 1.03,
             max_runs: int = 24, min_duration_s: float = 30.0, max_requests: int | None = None) -> Goodput:
@@ -371,8 +376,7 @@ def goodput(topology: dict[InstanceType, int], profile: StepProfile, trace: Sequ
     def passes(k: int) -> bool:
         if k not in cache:
             rate = guess * step ** -k
-            n = math.ceil(rate * min_duration_s)
-            run = compiled.at(rate, n if max_requests is None else min(n, max_requests))
+            run = compiled.at(rate, capped(math.ceil(rate * min_duration_s), max_requests))
             r = simulate(topology, profile, run, cfg, stop_below=target)
             cache[k] = r.slo_attainment if r.sustained else -r.slo_attainment  # negative: not sustained
         return cache[k] >= target
