@@ -28,16 +28,20 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import aiohttp.web
 import kmock
 import kopf
+import yaml
 
 from triptych.kube import names
 from triptych.operator.context import OperatorConfig, OperatorContext
 from triptych.operator.main import run
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 NS = "serving"
 MLLM_RES = f"{names.API_VERSION}/{names.PLURAL}"
@@ -471,3 +475,13 @@ def rbac_needs(api: ApiServer) -> set[tuple[str, str, str]]:
 def rbac_grants(rules: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
     return {(g, res, v) for rule in rules for g in rule["apiGroups"] for res in rule["resources"]
             for v in rule["verbs"]}
+
+
+def cluster_role(path: Path, name: str) -> list[dict[str, Any]]:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == name)["rules"]
+
+
+def operator_grants() -> set[tuple[str, str, str]]:
+    """What deploy/operator-rbac.yaml's ClusterRole allows the operator (and its planner)."""
+    return rbac_grants(cluster_role(DEPLOY / "operator-rbac.yaml", "triptych-operator"))

@@ -7,13 +7,10 @@ verb) set of the requests it made must equal the ClusterRole's grants.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import kubernetes_validate
 import pytest
 import yaml
-from kube_harness import NS, Env, iter_requests, rbac_grants, rbac_needs, wait_for
+from kube_harness import DEPLOY, NS, Env, iter_requests, operator_grants, rbac_grants, rbac_needs, wait_for
 from test_op_integration import settle, spec
 
 from triptych.cli import build_parser
@@ -22,21 +19,11 @@ from triptych.operator.peering import CLUSTER_PEERING, NAMESPACED_PEERING
 
 pytestmark = pytest.mark.timeout(120)
 PEERING = "triptych-operator"
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 CRDS = DEPLOY.parent / "crds"
 CHILDREN = ("v1/configmaps", "v1/services", "v1/serviceaccounts", "apps/v1/deployments",
             "policy/v1/poddisruptionbudgets", "networking.k8s.io/v1/networkpolicies",
             "rbac.authorization.k8s.io/v1/roles", "rbac.authorization.k8s.io/v1/rolebindings",
             "monitoring.coreos.com/v1/servicemonitors")
-
-
-def cluster_role(path: Path, name: str) -> list[dict[str, Any]]:
-    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
-    return next(d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == name)["rules"]
-
-
-def operator_grants() -> set[tuple[str, str, str]]:
-    return rbac_grants(cluster_role(DEPLOY / "operator-rbac.yaml", "triptych-operator"))
 
 
 def tamper_children(env: Env) -> None:

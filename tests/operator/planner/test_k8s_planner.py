@@ -21,7 +21,7 @@ import aiohttp.web
 import httpx
 import kube_harness
 import pytest
-from kube_harness import Env, wait_for
+from kube_harness import Env, operator_grants, rbac_needs, wait_for
 
 from triptych.kube import names
 from triptych.operator.planner import k8s_daemon
@@ -177,6 +177,13 @@ def events(env: Env, reason: str) -> list[str]:
     return [m for op in env.operators for _, r, m in op.events if r == reason]
 
 
+def assert_within_the_cluster_role(env: Env) -> None:
+    """Every request the operator made, its planner's included (the tokens Secret, pod
+    relabels, replicas, the spec's topology, status.plan, Events, the profile ConfigMap),
+    is one deploy/operator-rbac.yaml grants: a planner needing more would fail in a cluster."""
+    assert rbac_needs(env.api) - operator_grants() == set(), "requests the ClusterRole does not allow"
+
+
 async def test_a_deep_prefill_queue_switches_one_decode_pod_to_prefill(env: Env, tmp_path: Path,
                                                                        admin_headers: list) -> None:
     with exporter(DEEP_PREFILL) as target, prometheus(target, tmp_path) as prom:
@@ -215,6 +222,7 @@ async def test_a_deep_prefill_queue_switches_one_decode_pod_to_prefill(env: Env,
     await _settle(1.5)
     assert {n: w.calls for n, w in env.cluster.workers.items()} == calls
     assert sorted(roles(env).values()) == ["D", "E", "P", "P"]
+    assert_within_the_cluster_role(env)
 
 
 async def test_dry_run_records_the_decision_and_changes_nothing(env: Env, tmp_path: Path,
@@ -258,6 +266,7 @@ async def test_a_deep_encode_queue_adds_an_encoder_pod(env: Env, tmp_path: Path,
     await wait_for(lambda: sorted(r for r in roles(env).values() if r) == ["D", "E", "E", "P"],
                    what="the new pod serving E")
     assert plan(env)["last_action"]["rule"] == "encoder"
+    assert_within_the_cluster_role(env)
 
 
 async def test_a_deep_video_queue_adds_a_v_pod(env: Env, tmp_path: Path, admin_headers: list) -> None:
@@ -312,6 +321,7 @@ async def test_replans_run_on_the_roofline_of_the_profile_config_map(env: Env, t
     assert len(events(env, "PlannerProfileError")) == 1  # said once, not every tick
     metrics = httpx.get(f"http://{k8s_daemon.SETTINGS.endpoint}/metrics", timeout=5).text
     assert 'triptych_planner_predicted_goodput_rps{deployment="serving/demo"}' in metrics
+    assert_within_the_cluster_role(env)
 
 
 async def _settle(seconds: float) -> None:
