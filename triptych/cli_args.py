@@ -25,6 +25,17 @@ def cpus(text: str) -> float:
     return value
 
 
+def threads(text: str) -> int:
+    """A thread count: a whole number, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def lazy(target: str) -> Callable[[argparse.Namespace], int | None]:
     """`module:function`, imported only when the subcommand runs (so `--help` stays instant
     and `triptych operator` never imports torch)."""
@@ -63,8 +74,8 @@ def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
 
 
-def add_threads(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=None)
+def add_threads(p: argparse.ArgumentParser, help: str | None = None) -> None:
+    p.add_argument("--threads", type=threads, default=None, help=help)
 
 
 def add_compile_decode(p: argparse.ArgumentParser, help: str) -> None:

@@ -187,7 +187,7 @@ class LocalDeployment:
             self.quota_error = str(exc)
             print(f"triptych: --instance-cpus {self.instance_cpus:g}: cannot set a CPU quota ({exc}); "
                   f"running WITHOUT quotas (instances share every core; threads still "
-                  f"{threads_for(self.instance_cpus)} each)", file=sys.stderr, flush=True)
+                  f"{self.threads_per_instance()} each)", file=sys.stderr, flush=True)
 
     def _preexec_for(self, name: str) -> Callable[[], None] | None:
         """Join the instance's group in the child before exec, so that everything it runs
@@ -385,6 +385,7 @@ def cli_main(args: argparse.Namespace) -> int:
                      + [InstanceType.V.value] * getattr(args, "autoscale_video_standby", 0)) if autoscale else [],
         instance_cpus=getattr(args, "instance_cpus", None),
         cpu_period_ms=getattr(args, "instance_cpu_period_ms", None),
+        threads=getattr(args, "threads", None),
     )
     stopping = False
 

@@ -33,10 +33,10 @@ needs_cgroups = pytest.mark.skipif(_real_layout() is None, reason="needs root an
 
 
 @contextmanager
-def _serve(topology: str, cpus: float, env: dict[str, str],
-           stderr: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
+def _serve(topology: str, cpus: float, env: dict[str, str], stderr: Path,
+           *more: str) -> Iterator[tuple[subprocess.Popen[str], int]]:
     port = free_port()
-    with servekit.serve_cli(port, topology, "--instance-cpus", str(cpus), env=env, stderr=stderr) as proc:
+    with servekit.serve_cli(port, topology, "--instance-cpus", str(cpus), *more, env=env, stderr=stderr) as proc:
         line = servekit.wait_for_line(proc, "serving", stderr=stderr)
         assert f"http://127.0.0.1:{port}/v1" in line
         yield proc, port
@@ -52,6 +52,10 @@ def _one_completion(port: int) -> None:
 def _groups_of(layout: Layout, serve_pid: int) -> list[Path]:
     """The instance groups `serve` (pid) made: the deployment id starts with its pid."""
     return sorted(p for p in layout.base.iterdir() if p.name.startswith(f"triptych-{serve_pid}-"))
+
+
+def _cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
 
 
 def _thread_env(pid: int) -> str:
@@ -99,14 +103,18 @@ def test_groups_are_removed_when_an_instance_dies(tmp_path: Path) -> None:
 
 
 def test_no_quota_possible_says_so_and_serves(tmp_path: Path) -> None:
-    """A cgroup root without a cpu controller stands in for a machine where quotas cannot be set."""
+    """A cgroup root without a cpu controller stands in for a machine where quotas cannot be set.
+    `--threads` overrides the thread count the share would give (ceil(0.5) = 1)."""
     root = tmp_path / "cgroup"
     root.mkdir()
     (root / "cgroup.controllers").write_text("memory pids\n")
-    with _serve("EPD", 0.5, {**os.environ, "TRIPTYCH_CGROUP_ROOT": str(root)}, tmp_path / "stderr") as (proc, port):
+    with _serve("EPD", 0.5, {**os.environ, "TRIPTYCH_CGROUP_ROOT": str(root)}, tmp_path / "stderr",
+                "--threads", "2") as (proc, port):
+        (worker,) = [pid for pid in servekit.children(proc.pid) if b" worker " in _cmdline(pid)]
+        assert _thread_env(worker) == "OMP_NUM_THREADS=2"
         _one_completion(port)
         servekit.stop_cleanly(proc)
         err = (tmp_path / "stderr").read_text()
         assert "--instance-cpus 0.5: cannot set a CPU quota (no cpu controller under" in err
-        assert "running WITHOUT quotas" in err
+        assert "running WITHOUT quotas (instances share every core; threads still 2 each)" in err
         assert sorted(p.name for p in root.iterdir()) == ["cgroup.controllers"]
