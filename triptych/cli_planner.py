@@ -16,6 +16,7 @@ from triptych.cli_args import (
     add_request_shape,
     add_seed,
     add_threads,
+    cpus,
     lazy,
 )
 
@@ -75,4 +76,7 @@ def add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 64, 256, 1024], help="prefill sizes")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="decode batch sizes")
     p.add_argument("--contexts", type=int, nargs="+", default=[32, 256, 1024], help="decode context lengths")
+    p.add_argument("--cpu-share", type=cpus, default=None, metavar="X",
+                   help="the steps of an instance capped at X CPUs (serve --instance-cpus X), measured "
+                        "uncapped: this process's CPU seconds per step divided by X (--device cpu)")
     p.set_defaults(func=lazy("triptych.worker.step_profile:cli_main"))

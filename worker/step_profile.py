@@ -7,6 +7,12 @@ decode by batch size and context length (B requests with a C-token prompt are pr
 then the median of several pure decode steps is taken), migration by bytes (a copy of a
 buffer of that size in this process's memory: the lower bound of a pull on one machine;
 pass --migration-bytes-per-s for a measured NIXL figure).
+
+`--cpu-share X` profiles an instance capped at X CPUs (`serve --instance-cpus X`) without
+the cap: each step is timed by this process's CPU seconds and divided by X, the quota's
+average rate. Timed inside the quota instead, a step of a few ms either fits in what is left
+of the period or waits for the next one, so the medians of a few steps land on one side or
+the other of a period's stall (a 16-token prefill measured slower than a 64-token one).
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import argparse
 import json
 import logging
 import statistics
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 
@@ -29,7 +37,21 @@ from triptych.worker.engine.engine import Engine, EngineConfig, make_request
 log = logging.getLogger("triptych.profile")
 
 
-def measure_decode(engine: Engine, batch: int, context: int, steps: int = 5) -> float:
+Clock = Callable[[], float]
+
+
+def measure(run: Callable[[], object], repeats: int, clock: Clock = time.perf_counter) -> float:
+    """Median seconds of `run` by `clock` (wall, or `time.process_time` for CPU seconds)."""
+    times = []
+    for _ in range(repeats):
+        t0 = clock()
+        run()
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
+def measure_decode(engine: Engine, batch: int, context: int, steps: int = 5,
+                   clock: Clock = time.perf_counter) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
     vocab = engine.spec.vocab_size
     ids = [f"profile-{batch}-{context}-{i}-{time.monotonic_ns()}" for i in range(batch)]
@@ -42,12 +64,7 @@ def measure_decode(engine: Engine, batch: int, context: int, steps: int = 5) -> 
             if time.monotonic() > deadline:
                 raise TimeoutError("prefill of the decode batch did not finish")
             engine.step()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return measure(engine.step, steps, clock)
     finally:
         for rid in ids:
             engine.abort(rid)
@@ -67,19 +84,22 @@ def monotone(points: list[Point]) -> list[Point]:
 def measure_copy(nbytes: int, repeats: int = 3) -> float:
     src = torch.empty(max(1, nbytes), dtype=torch.uint8)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return measure(lambda: dst.copy_(src), repeats)
 
 
 def profile_engine(model: str, *, device: str = "cpu", dtype: str = "float32", threads: int | None = None,
                    pixels: Sequence[int] = (64, 224, 448), images: Sequence[int] = (1, 2, 4),
                    tokens: Sequence[int] = (16, 64, 256, 1024), batches: Sequence[int] = (1, 4, 16),
                    contexts: Sequence[int] = (32, 256, 1024), migration_bytes_per_s: float | None = None,
-                   max_num_seqs: int = 64) -> StepProfile:
+                   max_num_seqs: int = 64, cpu_share: float | None = None) -> StepProfile:
+    if cpu_share is not None and (device != "cpu" or not cpu_share > 0):
+        raise ValueError(f"a CPU share needs --device cpu and a share > 0, got {device!r} and {cpu_share}")
+    clock: Clock = time.process_time if cpu_share else time.perf_counter
+    scale = 1.0 / cpu_share if cpu_share else 1.0
+
+    def timed(run: Callable[[], object], repeats: int = 5) -> float:
+        return measure(run, repeats, clock) * scale
+
     engine = Engine(EngineConfig(model=model, role=InstanceType.EPD, device=device, dtype=dtype, threads=threads,
                                  token_budget=max(tokens), image_budget=max(images), detokenize=False,
                                  max_num_seqs=max(max_num_seqs, max(batches))))
@@ -87,10 +107,11 @@ def profile_engine(model: str, *, device: str = "cpu", dtype: str = "float32", t
     engine.measure_prefill(min(tokens))  # warm-up: first calls pay for allocations and kernel selection
     engine.measure_encode(1, (pixels[0], pixels[0]))
     encode = [EncodeRow(pixels=side * side, points=monotone(
-        [Point(x=n, seconds=engine.measure_encode(n, (side, side), repeats=5)) for n in images]))
+        [Point(x=n, seconds=timed(partial(engine.measure_encode, n, (side, side), repeats=1))) for n in images]))
         for side in pixels]
-    prefill = monotone([Point(x=n, seconds=engine.measure_prefill(n, repeats=5)) for n in tokens if n < max_len])
-    decode = [DecodeRow(context=c, points=monotone([Point(x=b, seconds=measure_decode(engine, b, c))
+    prefill = monotone([Point(x=n, seconds=timed(partial(engine.measure_prefill, n, repeats=1)))
+                        for n in tokens if n < max_len])
+    decode = [DecodeRow(context=c, points=monotone([Point(x=b, seconds=measure_decode(engine, b, c, clock=clock) * scale)
                                                     for b in batches]))
               for c in contexts if c + 16 < max_len]
     if migration_bytes_per_s is None:
@@ -99,7 +120,7 @@ def profile_engine(model: str, *, device: str = "cpu", dtype: str = "float32", t
     kv = engine.kv
     dtype_bytes = torch.empty(0, dtype=engine.config.torch_dtype).element_size()
     return StepProfile(
-        source=f"measured:{device}", shape=read_shape(model), dtype_bytes=dtype_bytes, encode=encode,
+        source=f"measured:{device}" + (f" at {cpu_share:g} CPUs" if cpu_share else ""), shape=read_shape(model), dtype_bytes=dtype_bytes, encode=encode,
         prefill=prefill, decode=decode, migration=Migration(bytes_per_s=migration_bytes_per_s),
         kv_capacity_tokens=kv.num_blocks * kv.block_size if kv is not None else 1, max_num_seqs=max_num_seqs)
 
@@ -111,11 +132,16 @@ def cli_main(args: argparse.Namespace) -> int:
         from triptych.tiny_model import tiny_model_path
 
         model = str(tiny_model_path("qwen2-vl"))
+    cpu_share = getattr(args, "cpu_share", None)
+    if cpu_share is not None and args.device != "cpu":
+        print(f"error: --cpu-share profiles a CPU instance; got --device {args.device}", file=sys.stderr)
+        return 2
     prof = profile_engine(model, device=args.device, dtype=args.dtype, threads=args.threads,
                           migration_bytes_per_s=args.migration_bytes_per_s,
                           tokens=getattr(args, "tokens", None) or (16, 64, 256, 1024),
                           batches=getattr(args, "batches", None) or (1, 4, 16),
-                          contexts=getattr(args, "contexts", None) or (32, 256, 1024))
+                          contexts=getattr(args, "contexts", None) or (32, 256, 1024),
+                          cpu_share=cpu_share)
     prof.save(args.out)
     print(json.dumps({"out": args.out, "source": prof.source, "prefill_points": len(prof.prefill),
                       "decode_rows": len(prof.decode), "encode_rows": len(prof.encode),

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 from triptych.bench.autoscale_shift import format_report, planner_args, shift_trace
-from triptych.bench.sim_validate import Calibration, error_pct, fit_overheads, format_table, with_template
+from triptych.bench.sim_validate import (
+    Calibration,
+    error_pct,
+    fit_overheads,
+    format_table,
+    measure_profile,
+    with_template,
+)
 from triptych.cli import build_parser, main
 from triptych.operator.planner.model_shape import read_shape
 from triptych.operator.planner.roofline import roofline_profile
@@ -52,6 +59,30 @@ def test_planner_gets_the_bench_thresholds_and_no_encoder_scaling() -> None:
     a = planner_args(shift_args("--interval", "1.5", "--sustain", "4"))
     assert a[a.index("--interval") + 1] == "1.5" and a[a.index("--sustain") + 1] == "4"
     assert "--no-encoder-scaling" in a
+
+
+def test_the_profile_is_measured_uncapped_at_the_instances_cpu_share(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`triptych profile --cpu-share X` with the instances' threads, in no cgroup: a profile
+    timed inside the quota lands on either side of its period's stalls."""
+    import subprocess
+
+    ran: list[tuple[list[str], dict]] = []
+    out = tmp_path / "profile.json"
+
+    def fake_run(cmd: list[str], **kw: object) -> None:
+        ran.append((cmd, kw))
+        roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100").save(out)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert measure_profile(tiny_model_path("qwen2-vl"), out, 0.25).source == "roofline:H100"
+    (cmd, kw), = ran
+    assert cmd[cmd.index("profile") - 2:cmd.index("profile") + 1] == ["-m", "triptych.cli", "profile"]
+    assert cmd[cmd.index("--cpu-share") + 1] == "0.25" and cmd[cmd.index("--threads") + 1] == "1"
+    assert "preexec_fn" not in kw and kw["env"]["OMP_NUM_THREADS"] == "1"
+    ran.clear()
+    measure_profile(tiny_model_path("qwen2-vl"), out, None)  # uncapped instances: wall time
+    assert "--cpu-share" not in ran[0][0]
 
 
 def test_error_is_signed_relative_to_the_measurement() -> None:

@@ -39,3 +39,46 @@ def test_monotone_lifts_noise_to_the_running_maximum() -> None:
 
     pts = monotone([Point(x=4, seconds=0.2), Point(x=1, seconds=0.3), Point(x=2, seconds=0.1)])
     assert [(p.x, p.seconds) for p in pts] == [(1, 0.3), (2, 0.3), (4, 0.3)]
+
+
+def test_measure_takes_the_median_by_the_given_clock() -> None:
+    from triptych.worker.step_profile import measure
+
+    ticks = iter([0.0, 0.1, 1.0, 1.5, 2.0, 2.2])  # runs of 0.1, 0.5 and 0.2 s
+    assert measure(lambda: None, 3, clock=lambda: next(ticks)) == pytest.approx(0.2)
+
+
+def test_a_cpu_share_profile_times_cpu_seconds_and_divides_by_the_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--cpu-share X`: every table is this process's CPU seconds over X (the quota's average
+    rate), never wall time."""
+    import time
+
+    from triptych.worker import step_profile
+
+    clocks = []
+
+    def fake_measure(run: object, repeats: int, clock: object = time.perf_counter) -> float:
+        clocks.append(clock)
+        return 0.01
+
+    monkeypatch.setattr(step_profile, "measure", fake_measure)
+    prof = profile_engine(str(tiny_model_path("qwen2-vl")), threads=1, pixels=(56,), images=(1,), tokens=(16,),
+                          batches=(1,), contexts=(32,), migration_bytes_per_s=1e9, cpu_share=0.25)
+    assert prof.source == "measured:cpu at 0.25 CPUs"
+    points = [*prof.prefill, *prof.encode[0].points, *prof.decode[0].points]
+    assert [p.seconds for p in points] == [pytest.approx(0.04)] * 3
+    assert clocks and all(c is time.process_time for c in clocks)
+
+
+def test_a_cpu_share_needs_the_cpu_and_a_positive_share() -> None:
+    with pytest.raises(ValueError, match="a CPU share needs --device cpu"):
+        profile_engine("unused", device="cuda", cpu_share=0.5)
+    with pytest.raises(ValueError, match="a share > 0"):
+        profile_engine("unused", cpu_share=0.0)
+
+
+def test_the_cli_refuses_a_cpu_share_on_another_device(capsys: pytest.CaptureFixture[str]) -> None:
+    from triptych.cli import main
+
+    assert main(["profile", "--model", "tiny", "--out", "unused.json", "--cpu-share", "0.5", "--device", "cuda"]) == 2
+    assert "--cpu-share profiles a CPU instance; got --device cuda" in capsys.readouterr().err

@@ -1,8 +1,9 @@
 """`triptych bench simulate-validate`: the simulator against measured runs of the same
 workload on this machine (issue 11: TTFT and TPOT p50 / p90, error in %).
 
-1. A step-time profile of the model measured here (`triptych profile`), in a cgroup with
-   the same CPU quota and threads as each instance (or `--profile FILE`).
+1. A step-time profile of the model measured here (`triptych profile`) with the instances'
+   threads, at their CPU share (`--cpu-share X`: CPU seconds per step over X), or
+   `--profile FILE`.
 2. One synthetic trace (Poisson arrivals, fixed shapes), re-timed to each rate.
 3. Per topology: a capacity-faithful local deployment (`--instance-cpus X`: every
    instance capped at X CPUs, triptych/cpu_quota.py) replays the trace at each rate
@@ -55,32 +56,23 @@ from triptych.topology import InstanceType, Stage
 METRICS = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
 
 
-def measure_profile(model_dir: Path, out: Path, cpus: float | None, priority: float,
-                    period_ms: float | None = None) -> StepProfile:
-    """`triptych profile` in a subprocess, inside a cgroup of `cpus` CPUs when given (the
-    instances' capacity: a profile measured on the whole machine would be too fast)."""
-    from triptych.cpu_quota import DeploymentGroups, QuotaUnavailable, threads_for
+def measure_profile(model_dir: Path, out: Path, cpus: float | None) -> StepProfile:
+    """`triptych profile` in a subprocess with the instances' threads. For instances capped
+    at `cpus` CPUs, `--cpu-share cpus`: CPU seconds per step over the share, the quota's
+    average rate (profiled inside the quota, steps of a few ms land on either side of a
+    period's stall; worker/step_profile.py)."""
+    from triptych.cpu_quota import threads_for
 
-    groups = None
     threads = threads_for(cpus) if cpus else 1
-    if cpus:
-        try:
-            groups = DeploymentGroups.create(priority=priority, period_us=round((period_ms or 100) * 1000))
-            groups.add_instance("profile", cpus)
-        except (QuotaUnavailable, OSError) as exc:
-            progress(f"warning: profiling WITHOUT a CPU quota ({exc})")
-            groups = None
     cmd = [sys.executable, "-m", "triptych.cli", "profile", "--model", str(model_dir), "--out", str(out),
            "--threads", str(threads), "--contexts", "32", "256", "--batches", "1", "4", "16"]
+    if cpus:
+        cmd += ["--cpu-share", str(cpus)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    preexec = (lambda: groups.move(os.getpid(), "profile")) if groups is not None else None
     try:
-        subprocess.run(cmd, check=True, env=env, preexec_fn=preexec, timeout=900, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, env=env, timeout=900, stdout=subprocess.DEVNULL)
     except (subprocess.SubprocessError, OSError) as exc:
         raise BenchError(f"triptych profile failed: {exc}") from exc
-    finally:
-        if groups is not None:
-            groups.remove()
     return StepProfile.load(out)
 
 
@@ -115,8 +107,8 @@ class Calibration:
 
 async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
                              repeats: int = 9, burst: int = 4, burst_repeats: int = 3,
-                             pause_s: float = 0.5) -> Calibration:
-    """Lone requests shaped like the trace's first (one warm-up, then `repeats` timed; no
+                             pause_s: float = 0.5, warmups: int = 1) -> Calibration:
+    """Lone requests shaped like the trace's first (`warmups` untimed, then `repeats` timed; no
     queueing): their median TTFT and TPOT and the CPU seconds the instances of each type
     (`pids` by type) spent per request; then `burst_repeats` bursts of `burst` of them sent
     at once, for the TPOT of a decode batch of `burst` (what splits the served path's cost
@@ -127,12 +119,13 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
         model, ends = await discover(client, url, [], {})
         scale = await calibrate(client, url, model, {})
-        bodies = trace_bodies([trace[0]] * (repeats + 1 + burst * burst_repeats), model, seed=99, scale=scale)
+        lone = repeats + warmups
+        bodies = trace_bodies([trace[0]] * (lone + burst * burst_repeats), model, seed=99, scale=scale)
         endpoint = f"{url}/v1/chat/completions"
         ttfts, tpots = [], []
         cpu0: dict[str, float] = {}
-        for i, body in enumerate(bodies[:repeats + 1]):
-            if i == 1:  # after the warm-up
+        for i, body in enumerate(bodies[:lone]):
+            if i == warmups:
                 cpu0 = {name: sum(cpu_seconds(p) for p in ps) for name, ps in pids.items()}
             await asyncio.sleep(pause_s)  # what the last request left (its hand-overs' release) is done
             r = await send_request(client, endpoint, body, 120.0)
@@ -142,7 +135,7 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
             tpots.append(r.tpot or 0.0)
         cpu = {name: (sum(cpu_seconds(p) for p in ps) - cpu0[name]) / repeats for name, ps in pids.items()}
         burst_tpots = []
-        rest = bodies[repeats + 1:]
+        rest = bodies[lone:]
         for k in range(burst_repeats):
             await asyncio.sleep(pause_s)
             results = await asyncio.gather(*(send_request(client, endpoint, b, 120.0)
@@ -150,8 +143,8 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
             if not all(r.ok for r in results):
                 raise BenchError(f"burst request failed: {[r.error for r in results if not r.ok][0]}")
             burst_tpots += [r.tpot for r in results if r.tpot is not None]
-    return Calibration(statistics.median(ttfts[1:]), statistics.median(tpots[1:]),
-                       statistics.median(burst_tpots) if burst_tpots else statistics.median(tpots[1:]),
+    return Calibration(statistics.median(ttfts[warmups:]), statistics.median(tpots[warmups:]),
+                       statistics.median(burst_tpots) if burst_tpots else statistics.median(tpots[warmups:]),
                        burst, cpu, scale.template_tokens)
 
 
@@ -350,8 +343,7 @@ def cli_main(args: argparse.Namespace) -> int:
         else:
             out = Path(args.save_profile) if args.save_profile else Path(tempfile.mkdtemp()) / "profile.json"
             progress(f"measuring a profile of {model_dir.name} at {args.instance_cpus} CPUs -> {out}")
-            profile = measure_profile(model_dir, out, args.instance_cpus, args.priority,
-                                      args.instance_cpu_period_ms)
+            profile = measure_profile(model_dir, out, args.instance_cpus)
         trace = make_trace(args)
         rows = [row for spec, topo in topologies.items()
                 for row in run_topology(spec, topo, model_dir, profile, trace, args)]
