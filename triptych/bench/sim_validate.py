@@ -16,7 +16,7 @@ workload on this machine (issue 11: TTFT and TPOT p50 / p90, error in %).
 The profile times the engine's steps alone; a served request also pays for HTTP hops
 (client -> router -> instances, SSE back), the worker's driver loop and streaming. With
 `--fit-overheads` (the default) these fixed costs are measured per topology from a lone
-request before the load (one warm-up, nine timed; no queueing): a cost per decoding request per step
+request before the load (ten warm-ups, nine timed; no queueing): a cost per decoding request per step
 (`StepProfile.decode_token_overhead_s`) so the simulated TPOT of that request matches,
 busy time per request per instance type from the instances' CPU
 (`SimConfig.request_work_s`), then a per-request TTFT overhead (`SimConfig.ttft_overhead_s`). What the loaded runs then
@@ -107,8 +107,10 @@ class Calibration:
 
 async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
                              repeats: int = 9, burst: int = 4, burst_repeats: int = 3,
-                             pause_s: float = 0.5, warmups: int = 1) -> Calibration:
-    """Lone requests shaped like the trace's first (`warmups` untimed, then `repeats` timed; no
+                             pause_s: float = 0.5, warmups: int = 10) -> Calibration:
+    """Lone requests shaped like the trace's first (`warmups` untimed: a fresh deployment's
+    first ten or so requests are slower, 1E1P1D at 0.25 CPU: TTFT median 64 ms over its
+    requests 2-10 against 43 ms over 11-30; then `repeats` timed; no
     queueing): their median TTFT and TPOT and the CPU seconds the instances of each type
     (`pids` by type) spent per request; then `burst_repeats` bursts of `burst` of them sent
     at once, for the TPOT of a decode batch of `burst` (what splits the served path's cost
