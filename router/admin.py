@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from pydantic import AnyHttpUrl, BaseModel, ValidationError
 
 from triptych.router.errors import error_type
-from triptych.router.registry import Registry
+from triptych.router.registry import Instance, Registry
 from triptych.timings import TIMINGS, TimingsPage
 from triptych.topology import UNASSIGNED, InstanceType
 
@@ -67,6 +67,15 @@ async def _body(request: Request, model: type[Body], shape: str) -> Body | JSONR
         return model.model_validate_json(await request.body())
     except ValidationError as exc:
         return _error(400, f"expected {shape}: {exc.errors()[0]['msg']}")
+
+
+def _refusal(registry: Registry, inst: Instance) -> JSONResponse | None:
+    """Why a just-probed registration is refused: not a worker (502), or its instance id is
+    another registered instance's (409); None to keep it."""
+    if inst.failures or not inst.instance_id:
+        return _error(502, f"{inst.url}/health did not answer as a Triptych worker")
+    taken = next((i for i in registry.instances.values() if i is not inst and i.instance_id == inst.instance_id), None)
+    return _error(409, f"instance id {inst.instance_id!r} is taken by {taken.url}") if taken else None
 
 
 def _auth_failure(request: Request, token: str | None) -> JSONResponse | None:
@@ -144,11 +153,7 @@ def add_instance_routes(app: FastAPI, registry: Registry, client: httpx.AsyncCli
             return _error(409, f"{url} is registered already")
         inst = registry.add_url(url)
         await registry.refresh_one(client, inst)
-        taken = next((i for i in registry.instances.values() if i is not inst and i.instance_id == inst.instance_id),
-                     None)
-        refusal = (_error(502, f"{url}/health did not answer as a Triptych worker")
-                   if inst.failures or not inst.instance_id
-                   else _error(409, f"instance id {inst.instance_id!r} is taken by {taken.url}") if taken else None)
+        refusal = _refusal(registry, inst)
         if refusal is not None:
             registry.remove_url(url)
             return refusal
