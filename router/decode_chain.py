@@ -121,6 +121,8 @@ class DecodeChain:
                             else:
                                 for token_event in relay.tokens(event):
                                     yield token_event
+                                if relay.handed_on():
+                                    break  # the next hop need not wait for this stream's end
                 except StageFailure as failure:
                     if received or failure.status != 503:
                         raise

@@ -27,6 +27,10 @@ class Relay:
         self.finished += 1
         return self.finished + len(self.migrated) >= self.n and not self.migrated
 
+    def handed_on(self) -> bool:
+        """Every choice left has moved on: nothing more comes on this stream for the request."""
+        return bool(self.migrated) and self.finished + len(self.migrated) >= self.n
+
     def tokens(self, event: object) -> list[TokenEvent]:
         if isinstance(event, MigratingEvent):
             self.migrated[event.index] = event.kv

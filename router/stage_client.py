@@ -30,6 +30,7 @@ from triptych.stage_protocol import (
     EncodedEvent,
     ErrorEvent,
     FinishedEvent,
+    MigratingEvent,
     PrefilledEvent,
     StageEvent,
     StageRequest,
@@ -223,10 +224,11 @@ def _checked(inst: Instance, line: str) -> StageEvent:
 
 
 def _terminal(event: StageEvent) -> bool:
-    """The event that ends a successful hop: a hand-over, or the finish of a generation."""
+    """The event that ends a successful hop: a hand-over (a decode migrating on included),
+    or the finish of a generation."""
     if isinstance(event, FinishedEvent):
         return event.finish_reason != "abort"
-    return isinstance(event, EncodedEvent | PrefilledEvent)
+    return isinstance(event, EncodedEvent | PrefilledEvent | MigratingEvent)
 
 
 def _error_code(body: str) -> str | None:

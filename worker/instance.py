@@ -115,6 +115,7 @@ class InstanceRuntime:
                     offloaded = time.monotonic()
                     moved = await self._migrate(keep_parked)
                     migrated = time.monotonic()
+                    streamed = {i: self.engine.output.moved_out[i] for i in moved if i in self.engine.output.moved_out}
                     pending = self.engine.parked_ids()
                     preloaded, preload_s = await preload
                 finally:
@@ -124,7 +125,7 @@ class InstanceRuntime:
                 await self._onload(InstanceType(role), preloaded)
                 after = self.engine.scheduler.counters.as_dict()
                 self.role = role
-                self._follow_handover(pending, moved, started, migrated)
+                self._follow_handover(pending, moved, streamed, started, migrated)
                 log.info("instance %s now serves role %s (in place)", self.settings.instance_id, role)
                 # onload_s: the wait for the preload to end (past the migrate phase) and the swap.
                 return {**_report(offloaded - started - precopy_s, migrated - offloaded, time.monotonic() - migrated,
@@ -215,14 +216,17 @@ class InstanceRuntime:
         await wait_for(lambda: not engine.request_ids(parked=not keep_parked), deadline + 5.0 - time.monotonic(), 0.005)
         return sorted(moved)
 
-    def _follow_handover(self, pending: list[str], moved: list[str], started: float, migrated: float) -> None:
+    def _follow_handover(self, pending: list[str], moved: list[str], streamed: dict[str, int], started: float,
+                         migrated: float) -> None:
         """Time the hand-overs a switch left parked until their pulls confirm (or their
-        leases expire): `/admin/stats` `last_switch` says when the last one went, and which
-        decodes moved (their request ids: a benchmark tells the migrated streams by them)."""
+        leases expire): `/admin/stats` `last_switch` says when the last one went, which
+        decodes moved (their request ids: a benchmark tells the migrated streams by them)
+        and how many tokens each had streamed here (`moved_tokens`: the next one came from
+        its new instance)."""
         # With nothing left parked, the hand-overs were pulled within the migrate phase.
         self.last_switch = {"handover_pending": len(pending),
                             "handover_s": round(migrated - started, 6) if not pending else None,
-                            "migrated_ids": moved, "parked_at": self.parked_at}
+                            "migrated_ids": moved, "moved_tokens": streamed, "parked_at": self.parked_at}
         if not pending:
             return
         record = self.last_switch

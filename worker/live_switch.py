@@ -69,7 +69,7 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
     inst.role = role.value
     record: dict[str, Any] = {"handover_pending": len(leaving), "precopy_s": None,
                               "handover_s": round(onloaded - started, 6) if not leaving else None,
-                              "migrated_ids": []}
+                              "migrated_ids": [], "moved_tokens": {}}
     inst.last_switch = record
     if leaving:
         inst.moving_out = asyncio.create_task(move_out(inst, engine, leaving, started, record))
@@ -109,6 +109,7 @@ async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], st
                 inst.abort(request_id)
         moved = set(engine.output.moved_out) & left
         record["migrated_ids"] = sorted(moved)
+        record["moved_tokens"] = {i: engine.output.moved_out[i] for i in moved}
         # Each hand-over is released when its pull confirms (or its lease expires).
         await wait_for(lambda: not current() or not moved & set(engine.request_ids()),
                        s.lease_seconds + s.drain_timeout_s, 0.002)

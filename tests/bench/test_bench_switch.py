@@ -8,7 +8,7 @@ import json
 import pytest
 
 from triptych.bench.stats import RequestResult
-from triptych.bench.switch import _max_hop_gap, added_gaps, hop_gap
+from triptych.bench.switch import _max_hop_gap, added_gaps, hop_gap, hop_span
 from triptych.cli import main
 
 
@@ -22,37 +22,43 @@ def test_added_gaps_counts_the_pause_in_mean_gaps() -> None:
     assert added_gaps(RequestResult(error="HTTP 503")) is None
 
 
-def test_the_hop_gap_is_the_pause_that_spans_the_park_and_gaps_count_from_the_switch() -> None:
-    # Tokens 10 ms apart from t=100.1, but one pause of 50 ms after the 10th (at 100.19).
-    times = [0.1 + 0.01 * i for i in range(10)] + [0.14 + 0.01 * i for i in range(10, 20)]
-    r = RequestResult(ttft=0.1, e2e=times[-1], gaps=[b - a for a, b in zip(times, times[1:], strict=False)],
-                      num_tokens=20,
-                      sent_at=100.0, token_times=times)
+def _stream(times: list[float], request_id: str = "moved") -> RequestResult:
+    return RequestResult(ttft=times[0], e2e=times[-1], gaps=[b - a for a, b in zip(times, times[1:], strict=False)],
+                         num_tokens=len(times), sent_at=100.0, token_times=times, request_id=request_id)
+
+
+def test_the_hop_gap_runs_from_the_last_token_at_the_old_instance_to_the_first_at_the_new() -> None:
+    # Tokens 10 ms apart; the stream moved after its 10th token, and the old instance's last
+    # step (the 10th token) came 30 ms late: the hop is then one 50 ms pause (10th -> 11th).
+    times = [0.1 + 0.01 * i for i in range(9)] + [0.21] + [0.26 + 0.01 * i for i in range(10)]
+    r = _stream(times)
     tpot = r.tpot
-    assert hop_gap(r, parked_at=100.2) == pytest.approx((0.05 - tpot) / tpot)
-    assert hop_gap(r, parked_at=100.15) == pytest.approx((0.01 - tpot) / tpot)  # an ordinary gap spans it
-    assert hop_gap(r, parked_at=101.0) is None  # the stream had ended
-    assert added_gaps(r, since=100.25) == pytest.approx((0.01 - tpot) / tpot)  # the pause came before
+    assert hop_span(r, 10) == pytest.approx((100.21, 100.26))
+    assert hop_gap(r, 10) == pytest.approx((0.05 - tpot) / tpot)
+    # not the gap before it (the old instance's late step), as a gap spanning the park would be
+    assert hop_gap(r, 9) == pytest.approx((0.03 - tpot) / tpot)
+    assert hop_gap(r, 20) is None and hop_gap(r, 0) is None  # the stream never got that far
+    assert added_gaps(r, since=100.27) == pytest.approx((0.01 - tpot) / tpot)  # the pause came before
     assert added_gaps(r, since=100.0) == pytest.approx(added_gaps(r))
 
 
-def test_the_net_hop_gap_discounts_a_stall_every_stream_had_at_the_park() -> None:
-    def stream(pause_after: int, pause_s: float) -> RequestResult:
+def test_the_net_hop_gap_discounts_a_stall_every_stream_had_at_the_hop() -> None:
+    def stream(pause_after: int, pause_s: float, request_id: str = "other") -> RequestResult:
         times = [0.1 + 0.01 * i for i in range(pause_after)]
         times += [times[-1] + pause_s + 0.01 * i for i in range(20 - pause_after)]
-        return RequestResult(ttft=0.1, e2e=times[-1], gaps=[b - a for a, b in zip(times, times[1:], strict=False)],
-                             num_tokens=20, sent_at=100.0, token_times=times)
+        return _stream(times, request_id)
 
-    moved = stream(10, 0.08)  # the hop: an 80 ms pause spanning the park at 100.2
+    moved = stream(10, 0.08, "moved")  # the hop: an 80 ms pause after its 10th token
     stalled = [stream(10, 0.05), stream(10, 0.06), stream(10, 0.01)]  # two others stalled too
     tpot = moved.tpot
-    assert _max_hop_gap([moved], 100.2) == round((0.08 - tpot) / tpot, 2)
+    assert _max_hop_gap([moved], {"moved": 10}) == round((0.08 - tpot) / tpot, 2)
     # net of the others' median pause at that moment (50 ms), not of one TPOT
-    assert _max_hop_gap([moved], 100.2, stalled) == round((0.08 - 0.05) / tpot, 2)
+    assert _max_hop_gap([moved], {"moved": 10}, stalled) == round((0.08 - 0.05) / tpot, 2)
     # others that paused less than a TPOT leave the plain hop gap
     calm = [stream(10, 0.001)] * 3
-    assert _max_hop_gap([moved], 100.2, calm) == _max_hop_gap([moved], 100.2)
-    assert _max_hop_gap([moved], 100.2, []) is None  # nothing to compare with
+    assert _max_hop_gap([moved], {"moved": 10}, calm) == _max_hop_gap([moved], {"moved": 10})
+    assert _max_hop_gap([moved], {"moved": 10}, []) is None  # nothing to compare with
+    assert _max_hop_gap([moved], {}) is None  # not among the moved ones
 
 
 @pytest.mark.slow

@@ -37,6 +37,29 @@ async def test_a_migrated_decode_goes_on_on_the_other_decode_instance():
         assert cont.request.kv_source.generated == tokens[:2] and cont.request.kv_source.first_token == tokens[2]
 
 
+async def test_a_migrated_decode_goes_on_without_waiting_for_its_old_stream_to_end():
+    """The `migrating` event is the hop's last: the next hop starts at once, while the old
+    instance's answer is still open (its last bytes come whenever; the stream is not
+    aborted, since its KV waits there to be pulled)."""
+    still_open = asyncio.Event()  # released by the test: until then d0's answer stays open
+    opened_while: list[bool] = []
+
+    def continue_here(sreq, normal):
+        opened_while.append(not still_open.is_set())
+        return normal
+
+    async with FakeCluster("1P2D") as cluster:
+        cluster["d0"].script(lambda sreq, normal: [*migrate_after(2)(sreq, normal), still_open])
+        cluster["d1"].script(continue_here)
+        try:
+            tokens, finish = await asyncio.wait_for(collect(cluster.orchestrator(), request(max_tokens=8)), 5)
+        finally:
+            still_open.set()
+        assert tokens == expected_tokens(request(max_tokens=8)) and finish == "length"
+        assert opened_while == [True]  # d1 ran the decode on while d0's stream was open
+        assert cluster["d0"].aborts == []
+
+
 async def test_a_decode_instance_refusing_is_passed_over_with_the_same_kv():
     async with FakeCluster("1P2D") as cluster:
         cluster["d0"].script(status(503))

@@ -152,6 +152,9 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     # A live switch: the reply came once the instance ran P, before its decodes moved out.
     assert last["handover_s"] > report["total_s"] and last["precopy_s"] is not None, (report, last)
     assert 1 <= len(last["migrated_ids"]) <= report["migrating"]
+    # Each moved with the tokens it had streamed (P's first among them, fewer than its 300).
+    assert set(last["moved_tokens"]) == set(last["migrated_ids"]), last
+    assert all(2 <= n < 300 for n in last["moved_tokens"].values()), last
     assert _migrated_in(dep) - taken_over == len(last["migrated_ids"])  # the other D went on with each
     time.sleep(1.5)  # the router sees the new role at its next poll
     cases = _cases(8, seed_base=3200)
@@ -319,6 +322,10 @@ def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
             if decoding:
                 assert report["migrated"] >= 1, {k: report.get(k) for k in (
                     "instance", "migrated", "handed_back", "precopy_s", "offload_s", "migrate_s", "total_s")}
+            if n == 3:  # D -> E names the tokens each moved decode had streamed, as D -> P does
+                last = _last_switch(dep, report["instance"])
+                assert last["migrated_ids"] and set(last["moved_tokens"]) == set(last["migrated_ids"]), last
+                assert all(2 <= k <= 128 for k in last["moved_tokens"].values()), last
             reports[f"{instance_id}->{role}"] = report
         print("switch reports:", reports)
         servekit.assert_no_leaks(servekit.wait_idle(dep))

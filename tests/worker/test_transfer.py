@@ -165,6 +165,62 @@ def test_segments_coalesce_adjacent_runs() -> None:
         (1000, base + 64, 48), (1080, base, 32), (1048, base + 112, 16)]
 
 
+class _Ticker:
+    """Counts the event loop's turns while a pull waits: a loop the pull blocked counts none."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            self.ticks += 1
+            await asyncio.sleep(0.001)
+
+    def stop(self) -> int:
+        self._task.cancel()
+        return self.ticks
+
+
+def _no_thread(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a NIXL pull_async went to a worker thread")
+
+
+async def test_pull_async_waits_on_the_event_loop_without_a_thread(
+        source: SourcePeer, target: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIXL's READ is posted and polled from the loop: no thread hand-off, no wake-up after."""
+    monkeypatch.setattr(asyncio, "to_thread", _no_thread)
+    handle = source.offer("kv", [2, 6, 7], ttl_s=30)
+    phases: dict[str, float] = {}
+    moved = await asyncio.wait_for(target.pull_async(handle, "kv", [5, 13, 4], timeout_s=5, phases=phases), 10)
+    assert moved == 3 * target._regions["kv"].block_nbytes
+    check_pulled(target, "kv", KV, [2, 6, 7], [5, 13, 4])
+    assert phases["dispatch"] == phases["resume"] == 0.0 and {"prepare", "read", "confirm"} <= set(phases)
+    assert wait_until(lambda: handle["lease_id"] in source.released()), "the pull was not confirmed"
+
+
+async def test_pull_async_of_a_hung_peer_times_out_and_leaves_the_loop_running(target: TransferEngine) -> None:
+    labels = {"transport": "nixl-ucx", "direction": "pull", "region": "mm", "reason": "timeout"}
+    timeouts_before = sample("triptych_worker_transfer_failures_total", **labels)
+    with SourcePeer({"mm": MM}, name="victim-async", require="nixl") as victim:
+        handle = victim.offer("mm", [0, 1], ttl_s=30)
+        os.kill(victim.pid, signal.SIGSTOP)  # alive but never answers
+        try:
+            ticker = _Ticker()
+            started = time.monotonic()
+            with pytest.raises(TransferTimeoutError):
+                await target.pull_async(handle, "mm", [0, 1], timeout_s=1.0)
+            waited = time.monotonic() - started
+            assert waited < 1.0 + 3
+            assert ticker.stop() > 50, "the event loop stood still while the READ waited"
+            assert sample("triptych_worker_transfer_failures_total", **labels) == timeouts_before + 1
+        finally:
+            os.kill(victim.pid, signal.SIGKILL)
+        victim._proc.join(5)
+        with pytest.raises(PeerUnreachableError, match="DISCONNECT"):
+            await asyncio.wait_for(target.pull_async(handle, "mm", [0, 1], timeout_s=1.0), 5)
+
+
 def test_bogus_metadata_fails_fast(source: SourcePeer, target: TransferEngine) -> None:
     handle = source.offer("mm", [5], ttl_s=1)
     started = time.monotonic()
@@ -230,6 +286,12 @@ def test_require_any_falls_back_to_tcp_loudly(caplog: pytest.LogCaptureFixture) 
             check_pulled(target, "kv", KV, [7, 8, 1], [3, 4, 12])
             assert sample("triptych_worker_transfer_bytes_total", **labels) - before == moved
             assert wait_until(lambda: handle["lease_id"] in source.released())
+            # TCP cannot wait on the event loop: pull_async runs the pull in a worker thread.
+            again = source.offer("kv", [2], ttl_s=30)
+            phases: dict[str, float] = {}
+            assert asyncio.run(target.pull_async(again, "kv", [9], timeout_s=5, phases=phases)) == moved // 3
+            check_pulled(target, "kv", KV, [2], [9])
+            assert phases["dispatch"] > 0 and phases["resume"] > 0
             # The source serves live leases only (tests/worker/test_transfer_leases.py).
             with pytest.raises(TransferError, match="no such lease"):
                 target.pull(handle, "kv", [3, 4, 12], timeout_s=5)

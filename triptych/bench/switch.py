@@ -20,11 +20,11 @@ instance runs `--min-running` decodes, once their admissions settled); `others' 
 same over the streams that did not move (what the switch cost everyone: on a shared CPU, the
 migration's work slows the other instances too; `--instance-cpus` gives each its own share),
 and `max added gaps` the maximum over every stream of the switch, whole streams. `hop gaps` is the migration's own
-cost: in each moved stream, the gap that spans the moment its source parked it
-(`last_switch.parked_at`, wall clock) — from its last token there to its first at the new
-instance — less one TPOT, in TPOTs (the largest over the moved streams). `hop net` is the
-same less, instead of one TPOT, the pause the streams that did not move had at that moment
-where it is longer (their median gap spanning the park): on shared cores every stream
+cost: in each moved stream, the pause from its last token at the old instance to its first
+at the new one (the switched instance's `last_switch.moved_tokens` says how many tokens each
+had streamed when it moved) less one TPOT, in TPOTs (the largest over the moved streams).
+`hop net` is the same less, instead of one TPOT, the pause the streams that did not move had
+at that moment where it is longer (their median gap spanning the hop's middle): on shared cores every stream
 stalls together at times (the router relays nothing for tens of ms while the workers run),
 and `hop net` is what the hop added beyond such a stall. `hand-over ms`: from the switch's start until the
 last decode it parked was pulled by its new instance (`last_switch.handover_s`; a P <-> D
@@ -108,32 +108,49 @@ def gap_at(result: RequestResult, t: float) -> float | None:
     return None
 
 
-def hop_gap(result: RequestResult, parked_at: float, concurrent: float = 0.0) -> float | None:
-    """The added gaps of the pause a migration put in the stream: the gap that spans
-    `parked_at` (when the source parked its decodes), less one TPOT, in TPOTs. With
+def hop_span(result: RequestResult, moved_tokens: int) -> tuple[float, float] | None:
+    """When a moved stream's hop began and ended (`time.perf_counter()` values): the arrival
+    of its last token from the old instance, token `moved_tokens` (the tokens it had when it
+    moved, `last_switch.moved_tokens`), and of its first from the new one. None when the
+    stream did not get that far."""
+    times = _arrivals(result)
+    if not 1 <= moved_tokens < len(times):
+        return None
+    return times[moved_tokens - 1], times[moved_tokens]
+
+
+def hop_gap(result: RequestResult, moved_tokens: int, concurrent: float = 0.0) -> float | None:
+    """The added gaps of the pause a migration put in the stream: from its last token at the
+    old instance to its first at the new one (`hop_span`), less one TPOT, in TPOTs. With
     `concurrent` (seconds: the pause the streams that did not move had at that same moment),
     less that pause instead where it is longer: what the hop added beyond a stall every
-    stream had. None when no gap spans it (the stream had ended)."""
+    stream had."""
     tpot = result.tpot
-    gap = gap_at(result, parked_at)
-    if tpot is None or tpot <= 0 or gap is None:
+    span = hop_span(result, moved_tokens)
+    if tpot is None or tpot <= 0 or span is None:
         return None
-    return (gap - max(tpot, concurrent)) / tpot
+    return (span[1] - span[0] - max(tpot, concurrent)) / tpot
 
 
-def _max_hop_gap(results: list[RequestResult], parked_at: float | None, others: list[RequestResult] | None = None
-                 ) -> float | None:
-    """The largest hop gap over the moved streams; with `others` (the streams that did not
-    move), net of their median pause at the park (`hop_gap`'s `concurrent`)."""
-    if parked_at is None:
-        return None
-    concurrent = 0.0
-    if others is not None:
-        paused = sorted(g for g in (gap_at(r, parked_at) for r in others if r.ok) if g is not None)
-        if not paused:
-            return None
-        concurrent = paused[len(paused) // 2]
-    hops = [h for h in (hop_gap(r, parked_at, concurrent) for r in results if r.ok) if h is not None]
+def _max_hop_gap(results: list[RequestResult], moved_tokens: dict[str, int],
+                 others: list[RequestResult] | None = None) -> float | None:
+    """The largest hop gap over the moved streams (`moved_tokens`: the tokens each had when
+    it moved, by request id); with `others` (the streams that did not move), each net of
+    their median pause in the middle of that hop (`hop_gap`'s `concurrent`)."""
+    hops = []
+    for r in results:
+        span = hop_span(r, moved_tokens[r.request_id]) if r.ok and r.request_id in moved_tokens else None
+        if span is None:
+            continue
+        concurrent = 0.0
+        if others is not None:
+            paused = sorted(g for g in (gap_at(o, (span[0] + span[1]) / 2) for o in others if o.ok) if g is not None)
+            if not paused:
+                continue  # nothing to compare with
+            concurrent = paused[len(paused) // 2]
+        hop = hop_gap(r, moved_tokens[r.request_id], concurrent)
+        if hop is not None:
+            hops.append(hop)
     return round(max(hops), 2) if hops else None
 
 
@@ -183,9 +200,9 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             failed = [r.error for r in results if not r.ok]
             last = _last_switch(client, dep, inst["url"])
             moved = {i.split(".")[0] for i in last.get("migrated_ids", [])}
+            # By the router's request id (a later hop's worker id is `<id>.tN` / `<id>.dN`).
+            moved_tokens = {i.split(".")[0]: n for i, n in last.get("moved_tokens", {}).items()}
             since = switch_at[0] if switch_at else None
-            # The source's wall clock, on this clock: the hop's pause spans it.
-            parked_at = last["parked_at"] - time.time() + time.perf_counter() if last.get("parked_at") else None
             migrated_results = [r for r in results if r.request_id in moved]
             others = [r for r in results if r.request_id not in moved]
             # A live P <-> D switch answered before its decodes moved out: their pre-copy
@@ -199,8 +216,8 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                    "requests": len(results), "failed": len(failed),
                    "max_added_gaps": _max_added(results, None),
                    "migrated_added_gaps": _max_added(migrated_results, since),
-                   "hop_added_gaps": _max_hop_gap(migrated_results, parked_at),
-                   "hop_net_gaps": _max_hop_gap(migrated_results, parked_at, others),
+                   "hop_added_gaps": _max_hop_gap(migrated_results, moved_tokens),
+                   "hop_net_gaps": _max_hop_gap(migrated_results, moved_tokens, others),
                    "others_added_gaps": _max_added(others, since)}
             progress(f"  {label} ({'loaded' if loaded else 'idle'}): total {report['total_s'] * 1000:.1f} ms, "
                      f"migrated {report['migrated']}, failed {len(failed)}")

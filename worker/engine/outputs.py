@@ -10,7 +10,7 @@ embeddings; HydraInfer §4.3), or goes on decoding. Each change becomes a
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable
 
 from triptych.topology import Stage
@@ -27,6 +27,8 @@ from triptych.worker.engine.request import (
 )
 from triptych.worker.engine.scheduler import Scheduler, update_status
 
+MOVED_OUT_KEPT = 4096  # decodes remembered as moved out (bounded: an instance runs for months)
+
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, requests: dict[str, Request], in_use: set[str],
@@ -36,8 +38,9 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self._requests = requests  # the engine's: requests in the loop, by id
         self._in_use = in_use  # the engine's: request ids added and not finished
-        # Ids of the decodes parked to migrate out, latest last (a live switch reports them).
-        self.moved_out: deque[str] = deque(maxlen=4096)
+        # The decodes parked to migrate out, latest last (a switch reports them): id -> the
+        # tokens its stream had by then (the next one is its new instance's first).
+        self.moved_out: OrderedDict[str, int] = OrderedDict()
 
     def process(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
         """Advance every request of `batch` past what the step computed."""
@@ -142,7 +145,9 @@ class OutputProcessor:
             self.scheduler.park(req)
             req.handoff = handoff
             self.scheduler.counters.migrated_out += 1
-            self.moved_out.append(req.request_id)
+            self.moved_out[req.request_id] = len(req.output_token_ids)
+            if len(self.moved_out) > MOVED_OUT_KEPT:
+                self.moved_out.popitem(last=False)
             outputs.append(self.output(req, finished=True, handoff=handoff))
         return outputs
 

@@ -38,8 +38,9 @@ MIGRATION_SECONDS: Histogram = registry_metric(
     ["kind", "transport"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5))
 MIGRATION_PHASE_SECONDS: Histogram = registry_metric(
     Histogram, "triptych_worker_migration_phase_seconds",
-    "Parts of a pull on the target: reserve (local blocks), dispatch (to the transfer thread), prepare "
-    "(handle checks, peer metadata), read (the READ), confirm (the lease notification)",
+    "Parts of a pull on the target: reserve (local blocks), dispatch (to a transfer thread; 0 for NIXL, "
+    "which waits on the event loop), prepare (handle checks, peer metadata), read (the READ), confirm (the "
+    "lease notification), resume (back on the event loop after a transfer thread)",
     ["kind", "phase"], buckets=(1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1))
 
 
@@ -83,6 +84,9 @@ class BlockTransfer(Protocol):
     def revoke(self, lease_id: str) -> None: ...
     def pull(self, handle: BlockHandle | dict[str, Any], local_region: str, local_block_ids: list[int], *,
              timeout_s: float, notify: bool = True, phases: dict[str, float] | None = None) -> int: ...
+    async def pull_async(self, handle: BlockHandle | dict[str, Any], local_region: str, local_block_ids: list[int],
+                         *, timeout_s: float, notify: bool = True, phases: dict[str, float] | None = None
+                         ) -> int: ...
     def poll_notifications(self) -> list[tuple[str, str]]: ...
 
 
@@ -275,18 +279,10 @@ class MigrationService:
         dispatched = time.monotonic()
         started = dispatched if started is None else started
         phases: dict[str, float] = {"reserve": dispatched - started}
-
-        def pull() -> int:
-            phases["dispatch"] = time.monotonic() - dispatched  # the wait for a transfer thread
-            nbytes = self.transfer.pull(handle, region, block_ids, timeout_s=self.pull_timeout_s, phases=phases)
-            done[0] = time.monotonic()
-            return nbytes
-
-        done = [0.0]
         with pull_errors(f"{kind} blocks"):
-            nbytes = await asyncio.to_thread(pull)
+            nbytes = await self.transfer.pull_async(handle, region, block_ids, timeout_s=self.pull_timeout_s,
+                                                    phases=phases)
         now = time.monotonic()
-        phases["resume"] = now - done[0]  # back on the event loop
         seconds = now - started
         MIGRATION_SECONDS.labels(kind=kind, transport=self.transport).observe(seconds)
         for phase, value in phases.items():

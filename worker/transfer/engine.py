@@ -14,10 +14,14 @@ handle from one transport is refused by an engine on another.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +47,27 @@ logger = logging.getLogger(__name__)
 
 # A READ needs at least this long before the lease's deadline, or it is not started.
 MIN_PULL_S = 0.05
+
+
+@dataclass
+class _Pull:
+    """One pull under way: the checked handle, where its blocks go and its deadline."""
+
+    handle: BlockHandle
+    local: Region
+    local_block_ids: list[int]
+    metadata: bytes  # the peer's, decoded
+    timeout_s: float
+    phases: dict[str, float]
+    labels: dict[str, str]
+    started: float = 0.0
+    deadline: float = 0.0
+
+    def read_args(self) -> tuple[Any, ...]:
+        """The backend's `read` / `read_async` arguments, lease included."""
+        h = self.handle
+        return (h.agent_name, self.metadata, segments(h, self.local, self.local_block_ids), h.mem_type, h.device_id,
+                self.local.mem_type, self.local.device_id, self.deadline, (h.lease_id, h.lease_secret))
 
 
 class TransferEngine:
@@ -130,6 +155,53 @@ class TransferEngine:
         `expires_at`, and a handle with less than MIN_PULL_S left is refused
         (`LeaseExpiredError`) before anything is read: the source may free and reuse the
         blocks after it."""
+        pull = self._prepare(handle, local_region, local_block_ids, timeout_s, phases)
+        if pull.handle.block_ids:
+            with self._reading(pull):
+                self._backend.read(*pull.read_args())
+        return self._finish(pull, notify)
+
+    async def pull_async(self, handle: BlockHandle | dict[str, Any], local_region: str, local_block_ids: list[int],
+                         *, timeout_s: float, notify: bool = True, phases: dict[str, float] | None = None) -> int:
+        """`pull` for a caller on an event loop. A backend that can wait for its READ there
+        (NIXL: the READ is posted, then its state is polled between the loop's other tasks)
+        needs no worker thread: on a busy machine a thread's hand-off and the loop's wake-up
+        afterwards cost milliseconds each, far more than a few blocks' READ. Otherwise the
+        whole `pull` runs in a worker thread. `phases` also gets `dispatch` (the wait for
+        that thread) and `resume` (from its end until the loop went on): 0 without one."""
+        phases = {} if phases is None else phases
+        read_async = getattr(self._backend, "read_async", None)
+        if read_async is None:
+            return await self._pull_in_thread(handle, local_region, local_block_ids, timeout_s, notify, phases)
+        phases["dispatch"] = 0.0
+        pull = self._prepare(handle, local_region, local_block_ids, timeout_s, phases)
+        if pull.handle.block_ids:
+            with self._reading(pull):
+                await read_async(*pull.read_args())
+        nbytes = self._finish(pull, notify)
+        phases["resume"] = 0.0
+        return nbytes
+
+    async def _pull_in_thread(self, handle: BlockHandle | dict[str, Any], local_region: str,
+                              local_block_ids: list[int], timeout_s: float, notify: bool,
+                              phases: dict[str, float]) -> int:
+        dispatched = time.monotonic()
+        done = [0.0]
+
+        def pull() -> int:
+            phases["dispatch"] = time.monotonic() - dispatched
+            nbytes = self.pull(handle, local_region, local_block_ids, timeout_s=timeout_s, notify=notify,
+                               phases=phases)
+            done[0] = time.monotonic()
+            return nbytes
+
+        nbytes = await asyncio.to_thread(pull)
+        phases["resume"] = time.monotonic() - done[0]
+        return nbytes
+
+    def _prepare(self, handle: BlockHandle | dict[str, Any], local_region: str, local_block_ids: list[int],
+                 timeout_s: float, phases: dict[str, float] | None) -> _Pull:
+        """Check the handle against the local region and decode the peer's metadata."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         phases = {} if phases is None else phases
@@ -140,33 +212,38 @@ class TransferEngine:
         check_compatible(handle, local, local_block_ids, self.transport)
         if handle.agent_name == self.agent_name:
             raise IncompatibleHandleError(f"handle {handle.lease_id!r} is from this engine; nothing to transfer")
-        metadata = self._peer_metadata(handle)
-        labels = {"transport": self.transport, "direction": "pull", "region": local_region}
-        started = time.monotonic()
-        phases["prepare"] = started - t0
-        if handle.block_ids:
-            left = handle.expires_at - time.time()
-            if left < MIN_PULL_S:
-                TRANSFER_FAILURES.labels(**labels, reason="expired").inc()
-                raise LeaseExpiredError(f"lease {handle.lease_id!r} of {handle.agent_name!r} ends in {left:.3f}s; "
-                                        "too late to read its blocks")
-            try:
-                self._backend.read(handle.agent_name, metadata, segments(handle, local, local_block_ids),
-                                   handle.mem_type, handle.device_id, local.mem_type, local.device_id,
-                                   deadline=started + min(timeout_s, left),
-                                   lease=(handle.lease_id, handle.lease_secret))
-            except TransferError as e:
-                reason = "timeout" if isinstance(e, TransferTimeoutError) else "error"
-                TRANSFER_FAILURES.labels(**labels, reason=reason).inc()
-                raise
-            TRANSFER_SECONDS.labels(**labels).observe(time.monotonic() - started)
-            TRANSFER_BYTES.labels(**labels).inc(handle.nbytes)
+        pull = _Pull(handle, local, local_block_ids, self._peer_metadata(handle), timeout_s, phases,
+                     {"transport": self.transport, "direction": "pull", "region": local_region})
+        pull.started = time.monotonic()
+        phases["prepare"] = pull.started - t0
+        return pull
+
+    @contextmanager
+    def _reading(self, pull: _Pull) -> Iterator[None]:
+        """Around the backend's READ: the lease must leave it time; failures and successes
+        are counted."""
+        left = pull.handle.expires_at - time.time()
+        if left < MIN_PULL_S:
+            TRANSFER_FAILURES.labels(**pull.labels, reason="expired").inc()
+            raise LeaseExpiredError(f"lease {pull.handle.lease_id!r} of {pull.handle.agent_name!r} ends in "
+                                    f"{left:.3f}s; too late to read its blocks")
+        pull.deadline = pull.started + min(pull.timeout_s, left)
+        try:
+            yield
+        except TransferError as e:
+            reason = "timeout" if isinstance(e, TransferTimeoutError) else "error"
+            TRANSFER_FAILURES.labels(**pull.labels, reason=reason).inc()
+            raise
+        TRANSFER_SECONDS.labels(**pull.labels).observe(time.monotonic() - pull.started)
+        TRANSFER_BYTES.labels(**pull.labels).inc(pull.handle.nbytes)
+
+    def _finish(self, pull: _Pull, notify: bool) -> int:
         read_done = time.monotonic()
-        phases["read"] = read_done - started
+        pull.phases["read"] = read_done - pull.started
         if notify:
-            self._confirm(handle, metadata)
-        phases["confirm"] = time.monotonic() - read_done
-        return handle.nbytes
+            self._confirm(pull.handle, pull.metadata)
+        pull.phases["confirm"] = time.monotonic() - read_done
+        return pull.handle.nbytes
 
     def _confirm(self, handle: BlockHandle, metadata: bytes) -> None:
         try:

@@ -6,15 +6,19 @@ This module is only the backend (`base.Backend`): `engine.TransferEngine` does t
 arithmetic, handles and metrics around it.
 
 Thread-safety: every call into the NIXL agent holds one lock, released while a READ
-waits, so reads may run in several worker threads at once (e.g. `asyncio.to_thread`)
-while the event loop polls notifications; region registration is meant for start-up.
+waits, so reads may run in several worker threads at once (e.g. `asyncio.to_thread`), or
+on the event loop (`read_async`), while the event loop polls notifications; region
+registration is meant for start-up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -119,6 +123,40 @@ class NixlBackend:
     def read(self, peer: str, peer_metadata: bytes, segs: list[Segment], remote_mem: MemType,
              remote_device: int, local_mem: MemType, local_device: int, deadline: float,
              lease: tuple[str, str] = ("", "")) -> None:
+        with self._posted(peer, peer_metadata, segs, remote_mem, remote_device, local_mem, local_device) as xfer:
+            state = xfer[1]
+            spin_until = time.monotonic() + _SPIN_S
+            delay = 0.0
+            # Spin first: a few blocks arrive in microseconds, and a sleeping thread on a busy
+            # machine wakes only milliseconds later. Then back off to 1 ms sleeps.
+            while self._waiting(state, peer, deadline):
+                if time.monotonic() > spin_until:
+                    time.sleep(delay)
+                    delay = min(delay * 2 or 5e-5, 1e-3)
+                state = self._state(xfer[0])
+
+    async def read_async(self, peer: str, peer_metadata: bytes, segs: list[Segment], remote_mem: MemType,
+                         remote_device: int, local_mem: MemType, local_device: int, deadline: float,
+                         lease: tuple[str, str] = ("", "")) -> None:
+        """`read` on an event loop: the READ is posted, then its state is checked each time
+        the loop comes round (other tasks run between), backing off to 1 ms sleeps after
+        the spin window. No thread is involved."""
+        with self._posted(peer, peer_metadata, segs, remote_mem, remote_device, local_mem, local_device) as xfer:
+            state = xfer[1]
+            spin_until = time.monotonic() + _SPIN_S
+            delay = 0.0
+            while self._waiting(state, peer, deadline):
+                if time.monotonic() > spin_until:
+                    delay = min(delay * 2 or 5e-5, 1e-3)
+                await asyncio.sleep(delay)
+                state = self._state(xfer[0])
+
+    @contextmanager
+    def _posted(self, peer: str, peer_metadata: bytes, segs: list[Segment], remote_mem: MemType,
+                remote_device: int, local_mem: MemType, local_device: int) -> Iterator[list[Any]]:
+        """Post a READ; the body waits for it (`[xfer handle, first state]`). Its handle is
+        released afterwards, whatever happened; a failure other than a timeout drops the
+        peer (a disconnected peer must be loaded afresh if it comes back)."""
         self._connect(peer, peer_metadata)
         local = np.array([(s.local_addr, s.nbytes, local_device) for s in segs], dtype=np.uint64)
         remote = np.array([(s.remote_addr, s.nbytes, remote_device) for s in segs], dtype=np.uint64)
@@ -134,14 +172,14 @@ class NixlBackend:
                     backends=[self._plugin],
                 )
                 state = self._agent.transfer(xfer)
-            self._wait(xfer, state, peer, deadline)
+            yield [xfer, state]
         except TransferTimeoutError:
             raise  # a slow peer is not a gone peer: keep its connection
         except Exception as e:
             if xfer is not None:
                 self._release(xfer)
                 xfer = None
-            self._forget(peer)  # a disconnected peer must be loaded afresh if it comes back
+            self._forget(peer)
             if isinstance(e, TransferError):
                 raise
             cls = PeerUnreachableError if "DISCONNECT" in str(e) else TransferError
@@ -150,22 +188,20 @@ class NixlBackend:
             if xfer is not None:
                 self._release(xfer)
 
-    def _wait(self, xfer: Any, state: str, peer: str, deadline: float) -> None:
-        # Spin first: a few blocks arrive in microseconds, and a sleeping thread on a busy
-        # machine wakes only milliseconds later. Then back off to 1 ms sleeps.
-        spin_until = time.monotonic() + _SPIN_S
-        delay = 0.0
-        while state == "PROC":
-            now = time.monotonic()
-            if now > deadline:
-                raise TransferTimeoutError(f"NIXL READ from {peer!r} did not complete in time; cancelled")
-            if now > spin_until:
-                time.sleep(delay)
-                delay = min(delay * 2 or 5e-5, 1e-3)
-            with self._lock:
-                state = self._agent.check_xfer_state(xfer)
-        if state != "DONE":
+    def _state(self, xfer: Any) -> str:
+        with self._lock:
+            return self._agent.check_xfer_state(xfer)
+
+    @staticmethod
+    def _waiting(state: str, peer: str, deadline: float) -> bool:
+        """True while the READ runs; raises once it failed or its deadline passed."""
+        if state == "DONE":
+            return False
+        if state != "PROC":
             raise TransferError(f"NIXL READ from {peer!r} failed (state {state})")
+        if time.monotonic() > deadline:
+            raise TransferTimeoutError(f"NIXL READ from {peer!r} did not complete in time; cancelled")
+        return True
 
     def _release(self, xfer: Any) -> None:
         with self._lock:
