@@ -39,6 +39,18 @@ logger = logging.getLogger(__name__)
 _SPIN_S = 5e-4  # busy-poll window before a waiting pull starts to sleep
 
 
+def _pauses() -> Iterator[float]:
+    """Seconds to pause before each check of a READ's state: none for `_SPIN_S` (a few blocks
+    arrive in microseconds, and a sleeping thread on a busy machine wakes only milliseconds
+    later), then 50 us doubling up to 1 ms."""
+    spin_until = time.monotonic() + _SPIN_S
+    delay = 0.0
+    while True:
+        if time.monotonic() > spin_until:
+            delay = min(delay * 2 or 5e-5, 1e-3)
+        yield delay
+
+
 def _describe(exc: BaseException) -> str:
     # NIXL's binding errors carry only the status name (e.g. NIXL_ERR_REMOTE_DISCONNECT).
     return f"{type(exc).__name__}: {exc}"
@@ -123,38 +135,32 @@ class NixlBackend:
     def read(self, peer: str, peer_metadata: bytes, segs: list[Segment], remote_mem: MemType,
              remote_device: int, local_mem: MemType, local_device: int, deadline: float,
              lease: tuple[str, str] = ("", "")) -> None:
-        with self._posted(peer, peer_metadata, segs, remote_mem, remote_device, local_mem, local_device) as xfer:
-            state = xfer[1]
-            spin_until = time.monotonic() + _SPIN_S
-            delay = 0.0
-            # Spin first: a few blocks arrive in microseconds, and a sleeping thread on a busy
-            # machine wakes only milliseconds later. Then back off to 1 ms sleeps.
+        with self._posted(peer, peer_metadata, segs, remote_mem, remote_device, local_mem, local_device) as (xfer,
+                                                                                                          state):
+            pauses = _pauses()
             while self._waiting(state, peer, deadline):
-                if time.monotonic() > spin_until:
-                    time.sleep(delay)
-                    delay = min(delay * 2 or 5e-5, 1e-3)
-                state = self._state(xfer[0])
+                pause = next(pauses)
+                if pause:
+                    time.sleep(pause)
+                state = self._state(xfer)
 
     async def read_async(self, peer: str, peer_metadata: bytes, segs: list[Segment], remote_mem: MemType,
                          remote_device: int, local_mem: MemType, local_device: int, deadline: float,
                          lease: tuple[str, str] = ("", "")) -> None:
         """`read` on an event loop: the READ is posted, then its state is checked each time
-        the loop comes round (other tasks run between), backing off to 1 ms sleeps after
-        the spin window. No thread is involved."""
-        with self._posted(peer, peer_metadata, segs, remote_mem, remote_device, local_mem, local_device) as xfer:
-            state = xfer[1]
-            spin_until = time.monotonic() + _SPIN_S
-            delay = 0.0
+        the loop comes round (other tasks run between), with `read`'s pauses. No thread is
+        involved."""
+        with self._posted(peer, peer_metadata, segs, remote_mem, remote_device, local_mem, local_device) as (xfer,
+                                                                                                          state):
+            pauses = _pauses()
             while self._waiting(state, peer, deadline):
-                if time.monotonic() > spin_until:
-                    delay = min(delay * 2 or 5e-5, 1e-3)
-                await asyncio.sleep(delay)
-                state = self._state(xfer[0])
+                await asyncio.sleep(next(pauses))
+                state = self._state(xfer)
 
     @contextmanager
     def _posted(self, peer: str, peer_metadata: bytes, segs: list[Segment], remote_mem: MemType,
-                remote_device: int, local_mem: MemType, local_device: int) -> Iterator[list[Any]]:
-        """Post a READ; the body waits for it (`[xfer handle, first state]`). Its handle is
+                remote_device: int, local_mem: MemType, local_device: int) -> Iterator[tuple[Any, str]]:
+        """Post a READ; the body waits for it (`(xfer handle, first state)`). Its handle is
         released afterwards, whatever happened; a failure other than a timeout drops the
         peer (a disconnected peer must be loaded afresh if it comes back)."""
         self._connect(peer, peer_metadata)
@@ -172,7 +178,7 @@ class NixlBackend:
                     backends=[self._plugin],
                 )
                 state = self._agent.transfer(xfer)
-            yield [xfer, state]
+            yield xfer, state
         except TransferTimeoutError:
             raise  # a slow peer is not a gone peer: keep its connection
         except Exception as e:
