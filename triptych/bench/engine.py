@@ -167,16 +167,22 @@ def longtail_jobs(n: int, lo: int, hi: int, median: float, sigma: float, rate: f
 # --- matmul peak and step FLOPs ---------------------------------------------------------------
 
 def matmul_peak_flops(dtype: torch.dtype, n: int = 1024, repeats: int = 10) -> float:
-    """FLOP/s of one large square GEMM in `dtype` (best of `repeats`) on the current threads:
-    what this machine's matmul units give right now."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    out = torch.empty(n, n, dtype=dtype)
-    torch.mm(a, b, out=out)  # warm up (packing, thread pool)
+    """FLOP/s of one large square GEMM in `dtype` (best of `repeats`) on the current threads,
+    with the faster of the kernels the engine may use (torch.mm, and on CPU oneDNN over a
+    reordered weight: worker/models/linear_kernels.py): what this machine's matmul units
+    give right now."""
+    from triptych.worker.models.linear_kernels import linear_kernel
+
+    a = torch.randn(n, n).to(dtype)
+    weight = torch.nn.Linear(n, n, bias=False, dtype=dtype).requires_grad_(False)
+    kernels = [lambda: torch.mm(a, weight.weight), lambda k=linear_kernel(weight): k(a)]
     best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        best = min(best, time.perf_counter() - t0)
+    for kernel in kernels:
+        kernel()  # warm up (packing, thread pool)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            kernel()
+            best = min(best, time.perf_counter() - t0)
     return 2 * n ** 3 / best
 
 

@@ -1,8 +1,8 @@
 """Reference attention over the paged KV cache in plain torch (CPU and GPU).
 
 Decodes (one new token per sequence) are batched: the decoding sequences' blocks are
-gathered into padded `[B, max_len]` tensors and attended with one SDPA call per group
-and a length mask; this is the hot path of serving. Decode attention reads every key
+gathered into padded `[B, max_len]` tensors and attended once per group with a length
+mask (two batched GEMMs on CPU, SDPA elsewhere); this is the hot path of serving. Decode attention reads every key
 of every row, padding included, so rows of very different lengths (a long-tailed mix:
 one 500-token answer among 40-token ones) are split into a few groups of similar
 length (`decode_groups`) rather than all padded to the longest. Prefill chunks run one
@@ -59,12 +59,25 @@ def decode_groups(kv_lens: list[int], block_size: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
+def _decode_attention_cpu(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          plan: _DecodePlan) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v as two batched GEMMs. A decode has only `group`
+    query rows per KV head, and SDPA's CPU flash kernel, tiled for long query blocks, took
+    1.4x as long on these shapes with 2 threads (32 rows x 176 keys: 792 against 568 us a
+    layer; the small model's decode step 18.8 against 17.5 ms)."""
+    if plan.additive is None:
+        plan.additive = torch.zeros(plan.mask.shape, dtype=queries.dtype).masked_fill_(~plan.mask, float("-inf"))
+    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(queries.shape[-1] ** -0.5).add_(plan.additive)
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
+
+
 @dataclass
 class _DecodePlan:
     token_index: torch.Tensor | None  # rows of q in this group (None: all rows, in order)
     flat_blocks: torch.Tensor  # [Bd * nb] int64, each decode's first nb table entries
     mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool, True where the key exists
     kept: bool = False  # context from KeptContext (kept_context.py), not gathered here
+    additive: torch.Tensor | None = None  # the mask as 0 / -inf (CPU path), built by the first layer
 
 
 @dataclass
@@ -189,7 +202,10 @@ class TorchAttention:
         # GQA without repeating K/V: the `group` query heads sharing a KV head become
         # that head's query rows (head h uses KV head h // group, as in transformers).
         queries = q.reshape(batch, geo.num_kv_heads, group, geo.head_dim).to(keys.dtype)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask)
+        if queries.device.type == "cpu":
+            out = _decode_attention_cpu(queries, keys, values, plan)
+        else:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask)
         return out.reshape(batch, geo.num_heads, geo.head_dim).to(q.dtype)
 
     def _gather_buffers(self, kv_cache: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from torch import nn
 from ..attention.base import AttentionBackend, AttentionGeometry, AttentionMetadata
 from ..attention.torch_backend import TorchAttention
 from .layers import DecoderLayer, RMSNorm
+from .linear_kernels import Linear, linear_kernel
 from .rope import cos_sin, inv_freq
 from .spec import ModelSpec
 
@@ -29,6 +30,7 @@ class LanguageModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.backend: AttentionBackend = backend or TorchAttention()
         self.register_buffer("inv_freq", inv_freq(spec.rope, spec.head_dim), persistent=False)
+        self._lm_head: Linear | None = None  # set by fuse_projections()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -43,11 +45,13 @@ class LanguageModel(nn.Module):
         self.inv_freq = inv_freq(self.spec.rope, self.spec.head_dim).to(self.device)
 
     def fuse_projections(self) -> None:
-        """Fuse each layer's q/k/v and gate/up projections into one GEMM each (layers.py);
-        call once the weights are loaded."""
+        """Fuse each layer's q/k/v and gate/up projections into one GEMM each (layers.py)
+        and give every GEMM its kernel (linear_kernels.py: oneDNN on CPU); call once the
+        weights are loaded."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+        self._lm_head = linear_kernel(self.lm_head)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[T, H]` (placeholder rows are overwritten by the caller)."""
@@ -79,7 +83,7 @@ class LanguageModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits `[N, V]` in float32."""
-        return self.lm_head(hidden).float()
+        return (self.lm_head(hidden) if self._lm_head is None else self._lm_head(hidden)).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """A zeroed cache `[num_blocks, num_layers, 2, block_size, kv_heads, head_dim]`."""

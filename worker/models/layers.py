@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.base import AttentionBackend, AttentionMetadata
+from .linear_kernels import Linear, linear_kernel
 from .rope import apply_rotary
 from .spec import ModelSpec
 
@@ -46,29 +47,6 @@ class RMSNorm(nn.Module):
         return self.kernel(x, self.weight, self.eps)
 
 
-def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) holding the linears' rows in order; each linear's parameters
-    become views into it, so the checkpoint's names still hold the weights and nothing is
-    stored twice. One GEMM over the fused weight instead of one per projection: on CPU a
-    decode step's small GEMMs run far below the machine's matmul peak, a wider one less so
-    (each output element is still the same dot product over the same inputs)."""
-    weight = torch.cat([m.weight.detach() for m in linears])
-    biases = [m.bias for m in linears]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.out_features)
-                          for b, m in zip(biases, linears, strict=True)])
-    row = 0
-    for m in linears:
-        n = m.out_features
-        m.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
-        if m.bias is not None:
-            assert bias is not None
-            m.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
-        row += n
-    return weight, bias
-
-
 class MLP(nn.Module):
     """SwiGLU: down(act(gate(x)) * up(x))."""
 
@@ -79,19 +57,21 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.act = ACTIVATIONS[spec.hidden_act]
-        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._gate_up: Linear | None = None  # set by fuse(), with the down projection's
+        self._down: Linear | None = None
         # act(gate) * up; compile.py swaps in a compiled one when the activation is SiLU.
         self.act_mul = silu_mul if self.act is F.silu else (lambda gate, up: self.act(gate) * up)
 
     def fuse(self) -> None:
-        """gate and up as one GEMM (after the weights are loaded)."""
-        self._gate_up = fuse_linears(self.gate_proj, self.up_proj)
+        """gate and up as one GEMM, and each GEMM's kernel (after the weights are loaded)."""
+        self._gate_up = linear_kernel(self.gate_proj, self.up_proj)
+        self._down = linear_kernel(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._gate_up is None:
+        if self._gate_up is None or self._down is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, *self._gate_up).split(self.gate_proj.out_features, dim=-1)
-        return self.down_proj(self.act_mul(gate, up))
+        gate, up = self._gate_up(x).split(self.gate_proj.out_features, dim=-1)
+        return self._down(self.act_mul(gate, up))
 
 
 class Attention(nn.Module):
@@ -103,11 +83,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._qkv: Linear | None = None  # set by fuse(), with the output projection's
+        self._o: Linear | None = None
 
     def fuse(self) -> None:
-        """q, k and v as one GEMM (after the weights are loaded)."""
-        self._qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        """q, k and v as one GEMM, and each GEMM's kernel (after the weights are loaded)."""
+        self._qkv = linear_kernel(self.q_proj, self.k_proj, self.v_proj)
+        self._o = linear_kernel(self.o_proj)
 
     def forward(
         self,
@@ -124,13 +106,13 @@ class Attention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         else:
             kv = self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *self._qkv).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+            q, k, v = self._qkv(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = backend.forward(q, k, v, kv_cache, layer, meta)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        out = backend.forward(q, k, v, kv_cache, layer, meta).reshape(tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out) if self._o is None else self._o(out)
 
 
 class DecoderLayer(nn.Module):
