@@ -59,15 +59,17 @@ def decode_groups(kv_lens: list[int], block_size: int) -> list[list[int]]:
     return [sorted(g) for g in groups]
 
 
-def _decode_attention_cpu(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def _decode_attention_cpu(queries: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor,
                           plan: _DecodePlan) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + mask) v as two batched GEMMs. A decode has only `group`
+    """softmax(q k^T / sqrt(d) + mask) v as two batched GEMMs, keys given transposed
+    (`[B, Hkv, D, L]`: a contiguous one, from the kept context, is the fast layout for
+    q K^T). A decode has only `group`
     query rows per KV head, and SDPA's CPU flash kernel, tiled for long query blocks, took
     1.4x as long on these shapes with 2 threads (32 rows x 176 keys: 792 against 568 us a
     layer; the small model's decode step 18.8 against 17.5 ms)."""
     if plan.additive is None:
         plan.additive = torch.zeros(plan.mask.shape, dtype=queries.dtype).masked_fill_(~plan.mask, float("-inf"))
-    scores = torch.matmul(queries, keys.transpose(-1, -2)).mul_(queries.shape[-1] ** -0.5).add_(plan.additive)
+    scores = torch.matmul(queries, keys_t).mul_(queries.shape[-1] ** -0.5).add_(plan.additive)
     return torch.matmul(torch.softmax(scores, dim=-1), values)
 
 
@@ -190,10 +192,12 @@ class TorchAttention:
         # copies whole blocks (contiguous runs); advanced indexing of the strided per-layer
         # view copied element by element and was 2-3x slower on CPU.
         shape = (batch, -1, geo.num_kv_heads, geo.head_dim)
-        if plan.kept:
+        queries = q.reshape(batch, geo.num_kv_heads, group, geo.head_dim)
+        if plan.kept:  # CPU only (kept_context.py)
             length = plan.mask.shape[-1]
-            both = self._kept.context(kv_cache, layer, k, v)[:, :, :, :length]
-            keys, values = both[0], both[1]
+            keys_t, values = self._kept.context(kv_cache, layer, k, v)
+            out = _decode_attention_cpu(queries.to(values.dtype), keys_t[..., :length], values[:, :, :length], plan)
+            return out.reshape(batch, geo.num_heads, geo.head_dim).to(q.dtype)
         else:
             key_buf, value_buf = self._gather_buffers(kv_cache, plan.flat_blocks.numel())
             keys = torch.index_select(kv_cache[:, layer, 0], 0, plan.flat_blocks, out=key_buf)
@@ -201,9 +205,9 @@ class TorchAttention:
             keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
         # GQA without repeating K/V: the `group` query heads sharing a KV head become
         # that head's query rows (head h uses KV head h // group, as in transformers).
-        queries = q.reshape(batch, geo.num_kv_heads, group, geo.head_dim).to(keys.dtype)
+        queries = queries.to(keys.dtype)
         if queries.device.type == "cpu":
-            out = _decode_attention_cpu(queries, keys, values, plan)
+            out = _decode_attention_cpu(queries, keys.transpose(-1, -2), values, plan)
         else:
             out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask)
         return out.reshape(batch, geo.num_heads, geo.head_dim).to(q.dtype)
