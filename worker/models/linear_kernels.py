@@ -56,14 +56,16 @@ Linear = TorchLinear | OneDNNLinear
 
 
 def onednn_usable(weight: torch.Tensor) -> bool:
-    """oneDNN serves this weight: a CPU tensor of a dtype it runs, a torch built with it,
-    and not switched off by `TRIPTYCH_CPU_GEMM=torch`."""
+    """oneDNN serves this weight: a CPU tensor of a dtype it runs fast (bf16 only where the
+    CPU has native bf16: elsewhere oneDNN emulates it), a torch built with it, and not
+    switched off by `TRIPTYCH_CPU_GEMM=torch`."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in DTYPES
         and os.environ.get(ENV, "onednn") != "torch"
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
