@@ -170,6 +170,45 @@ def test_steady_decodes_reuse_kept_context_and_match_dense() -> None:
         assert backend._kept.continuing == (step > 1)
 
 
+def test_rows_leaving_and_joining_reshuffle_the_kept_context_and_match_dense() -> None:
+    run = _PagedRun(block_size=4, seed=9)
+    backend = TorchAttention()
+    for seq, n in enumerate([6, 3, 11, 5]):
+        run.step([(seq, n)], backend)
+    for _ in range(3):
+        run.step([(0, 1), (1, 1), (2, 1)], backend)
+    assert backend._kept.continuing
+    slot = backend._kept.slot
+    # sequence 1 leaves, 3 joins (prefilled earlier), the order changes: the rows that
+    # continue come from the kept buffer, only sequence 3's is gathered
+    assert run.step([(2, 1), (3, 1), (0, 1)], backend).abs().max() < 1e-5
+    moves = backend._kept.moves
+    assert moves is not None and moves.fresh == [1] and moves.source.tolist() == [2, 0]
+    assert backend._kept.slot != slot
+    for _ in range(2):  # and the new layout continues
+        assert run.step([(2, 1), (3, 1), (0, 1)], backend).abs().max() < 1e-5
+        assert backend._kept.continuing
+    # a mixed step (a prefill chunk beside the decodes) reshuffles its decode rows too
+    assert run.step([(0, 1), (4, 7), (2, 1)], backend).abs().max() < 1e-5
+    assert backend._kept.moves is not None and backend._kept.moves.fresh == []
+    assert run.step([(0, 1), (2, 1)], backend).abs().max() < 1e-5
+
+
+def test_a_row_outgrowing_the_kept_width_is_copied_into_a_wider_layout() -> None:
+    run = _PagedRun(block_size=4, seed=10)
+    backend = TorchAttention()
+    for seq, n in enumerate([6, 3, 11]):
+        run.step([(seq, n)], backend)
+    grown = []
+    for _ in range(30):
+        assert run.step([(0, 1), (1, 1), (2, 1)], backend).abs().max() < 1e-5
+        kept = backend._kept
+        if kept.moves is not None:
+            assert kept.moves.fresh == []  # every row continues: copied, none gathered
+            grown.append((kept.moves.prev_length, kept.rows.width_blocks * run.block_size))
+    assert grown and all(old < new for old, new in grown)
+
+
 def test_kept_context_is_not_read_after_another_step_reused_its_blocks() -> None:
     run = _PagedRun(block_size=4, seed=8)
     backend = TorchAttention()
