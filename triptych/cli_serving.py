@@ -146,7 +146,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     add_cpu_period(p, None, "with --instance-cpus: the quota's CFS period (default: the kernel's 100 ms; "
                             "a short one, e.g. 10, makes an instance a uniformly slower device)")
     add_threads(p, "torch threads per instance (default: ceil(X) with --instance-cpus, else the cores "
-                   "shared out over the instances); 1 leaves a core to the router on a 2-core machine "
+                   "but one, which is left to the router, shared out over the instances; at least 1) "
                    "(docs/benchmarks.md)")
     p.add_argument("--autoscale", action="store_true", help="also run the planner (triptych autoscale)")
     p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")

@@ -37,7 +37,9 @@ def test_the_spec_carries_the_deployments_launch_settings_owner_only(tmp_path: P
 
 def test_uncapped_instances_get_the_deployments_thread_count(tmp_path: Path) -> None:
     dep = LocalDeployment(model=tmp_path, topology={T.E: 1, T.P: 1, T.D: 1})
-    assert SpawnSpec.of(dep).threads == max(1, (os.cpu_count() or 1) // 3)
+    # a core left to the router, the rest shared out
+    assert SpawnSpec.of(dep).threads == max(1, max(1, (os.cpu_count() or 1) - 1) // 3)
+    assert LocalDeployment(model=tmp_path, topology={T.E: 1}).threads_per_instance() == max(1, (os.cpu_count() or 1) - 1)
     assert LocalDeployment(model=tmp_path, topology={}, threads=3).threads_per_instance() == 3
 
 
