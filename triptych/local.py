@@ -158,7 +158,7 @@ class LocalDeployment:
         # One core is left to the router and the clients (vLLM's CPU backend reserves one
         # too): with every core in its OpenMP regions, an engine stalls at the regions'
         # barriers whenever the router takes a core, and on 2 cores serving kept 0.50-0.58
-        # of a 2-thread engine but 0.81-0.92 of a 1-thread one, which served more
+        # of a 2-thread engine but 0.81-0.86 of a 1-thread one, which served more
         # (docs/benchmarks.md).
         instances = sum(self.topology.values()) + len(self.extra_roles)
         return max(1, (os.cpu_count() or 1) - 1) // max(1, instances) or 1
