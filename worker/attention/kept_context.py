@@ -88,29 +88,24 @@ class KeptContext:
         self.flat_blocks = None  # built by the first layer that gathers this step
         self.continuing = steady and fits
         self.moves = None
-        if self.continuing:
-            assert prev is not None
-            width = prev.width_blocks
-        elif prev is not None and prev.width_blocks and any(j is not None for j in source):
+        reshuffle = prev is not None and prev.width_blocks and any(j is not None for j in source)
+        if not (self.continuing or reshuffle or steady):
+            return False
+        # A new layout doubles the width (at least 4 blocks more): fewer, larger steps pay.
+        width = prev.width_blocks if fits else max(needed) + max(4, max(needed))
+        if len(kv_lens) * width * block_size * row_bytes > MAX_BYTES_PER_LAYER:
+            return False
+        if not self.continuing and reshuffle:
             # Rows left or joined (the churn of a long-tailed load), or one outgrew the width:
             # the rows that continue are copied from the kept buffer into the other one, the
-            # others gathered. Growing, the width doubles (at least 4 blocks more): fewer,
-            # larger steps of the width pay.
-            width = prev.width_blocks if fits else max(needed) + max(4, max(needed))
-            if len(kv_lens) * width * block_size * row_bytes > MAX_BYTES_PER_LAYER:
-                return False
+            # others gathered. (A steady step with nothing kept gathers into the kept layout.)
+            assert prev is not None
             kept = [i for i, j in enumerate(source) if j is not None]
             self.moves = _Moves(torch.tensor(kept, device=device),
                                 torch.tensor([source[i] for i in kept], device=device),
                                 [i for i, j in enumerate(source) if j is None], len(prev.kv_lens),
                                 prev.width_blocks * block_size)
             self.slot ^= 1
-        elif steady:  # the first steady step after a gather: into the kept layout
-            width = max(needed) + max(4, max(needed))
-            if len(kv_lens) * width * block_size * row_bytes > MAX_BYTES_PER_LAYER:
-                return False
-        else:
-            return False
         self.rows.width_blocks = width
         self.new_pos = (torch.arange(len(kv_lens), device=device),
                         torch.tensor(kv_lens, device=device) - 1)

@@ -75,10 +75,15 @@ def linear_kernel(*linears: nn.Linear) -> Linear:
 
     With `F.linear` the modules' weights become views into the fused tensor, so the
     checkpoint's names still hold the weights and nothing is stored twice. With oneDNN the
-    kernel holds its own reordered copy beside the modules' weights. Fusing pays on CPU, where a decode step's small
-    GEMMs run far below peak and a wider one less so; each output is the same dot product."""
-    weight = linears[0].weight.detach() if len(linears) == 1 else torch.cat([m.weight.detach() for m in linears])
-    bias = _fused_bias(linears, weight)
+    kernel holds its own reordered copy beside the modules' weights. Fusing pays on CPU,
+    where a decode step's small GEMMs run far below peak and a wider one less so; each
+    output is the same dot product."""
+    if len(linears) == 1:  # nothing to fuse: the module's own tensors
+        weight, bias = linears[0].weight.detach(), linears[0].bias
+        bias = None if bias is None else bias.detach()
+    else:
+        weight = torch.cat([m.weight.detach() for m in linears])
+        bias = _fused_bias(linears, weight)
     if onednn_usable(weight):
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight)
@@ -87,7 +92,7 @@ def linear_kernel(*linears: nn.Linear) -> Linear:
         else:
             return OneDNNLinear(packed, bias)
     if len(linears) == 1:
-        return TorchLinear(linears[0].weight.detach(), bias)
+        return TorchLinear(weight, bias)
     row = 0
     for m in linears:
         n = m.out_features
