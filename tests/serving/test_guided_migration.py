@@ -21,14 +21,15 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "guided-admin-token"
 ADMIN = {"authorization": f"Bearer {TOKEN}"}
-# Long enough to be caught mid-decode, bounded so that every sample completes.
-SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 60, "maxItems": 60}
+# Long enough to be caught mid-decode even when the tiny model decodes a step in a couple of
+# milliseconds (the drain's pre-copy alone may take 0.25 s), bounded so every sample completes.
+SCHEMA = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 240, "maxItems": 240}
 
 
 def _bodies(model: str) -> list[dict]:
     fmt = {"type": "json_schema", "json_schema": {"name": "digits", "schema": SCHEMA, "strict": True}}
     return [{"model": model, "messages": [{"role": "user", "content": f"Digits, please ({i})."}],
-             "temperature": 1, "seed": 4000 + i, "max_tokens": 200, "stream": True, "return_token_ids": True,
+             "temperature": 1, "seed": 4000 + i, "max_tokens": 1000, "stream": True, "return_token_ids": True,
              "response_format": fmt} for i in range(8)]
 
 
