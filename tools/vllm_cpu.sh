@@ -21,11 +21,12 @@ case "${1:-}" in
     "${PYTHON:-$HERE/.venv/bin/python}" "$HERE/tools/save_text_lm.py" "$2" "$3"
     ;;
   serve)
-    # fp32 as Triptych's default; at most 32 sequences per step as the bench's concurrency;
+    # fp32 as Triptych's default (VLLM_DTYPE=bfloat16 beside `serve --dtype bfloat16`); at
+    # most 32 sequences per step as the bench's concurrency;
     # 1 GiB of KV cache is plenty for 32 x (prompt + 512) tokens of this model.
     export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
     exec "$VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$2" --port "${3:-8400}" \
-      --host 127.0.0.1 --dtype float32 --max-num-seqs 32 --max-model-len 4096 ${VLLM_ARGS:-}
+      --host 127.0.0.1 --dtype "${VLLM_DTYPE:-float32}" --max-num-seqs 32 --max-model-len 4096 ${VLLM_ARGS:-}
     ;;
   *)
     sed -n 2,8p "$0"; exit 2 ;;
