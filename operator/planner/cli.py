@@ -98,7 +98,8 @@ def plan_main(args: argparse.Namespace) -> int:
     from triptych.operator.planner.optimizer import PlanConfig, plan
 
     profile, trace, cfg = load_profile(args), load_workload(args), sim_config(args)
-    pcfg = PlanConfig(keep_per_method=args.keep_per_method, **({"methods": args.methods} if args.methods else {}))
+    pcfg = PlanConfig(keep_per_method=args.keep_per_method, max_requests=args.max_sim_requests or None,
+                      **({"methods": args.methods} if args.methods else {}))
     result = plan(profile, trace, args.instances, cfg, pcfg)
     if args.json:
         print(result.model_dump_json(indent=1))

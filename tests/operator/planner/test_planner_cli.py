@@ -35,6 +35,36 @@ def test_workload_then_simulate_then_plan(tmp_path: Path, capsys: pytest.Capture
     assert {c["method"] for c in result["ranking"]} == {"E+P+D", "EPD"}
 
 
+# A small Qwen2-VL (the size of the built-in tiny model's family): on an H100 roofline each
+# instance serves thousands of requests a second, so 15 s of arrivals per simulated run
+# would be hundreds of thousands of requests (`plan` took 9 minutes for 1,000 instances).
+SMALL_QWEN2_VL = {**QWEN2_VL_7B, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                  "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 1000,
+                  "vision_config": {**QWEN2_VL_7B["vision_config"], "depth": 1, "embed_dim": 32, "hidden_size": 64,
+                                    "num_heads": 2}}
+
+
+@pytest.mark.parametrize(("flag", "cap"), [([], 10_000), (["--max-sim-requests", "400", "--num-requests", "200"], 400)])
+def test_plan_bounds_every_simulated_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         monkeypatch: pytest.MonkeyPatch, flag: list[str], cap: int) -> None:
+    from triptych.operator.planner import optimizer, simulator
+
+    sizes: list[int] = []
+    real = simulator.simulate
+
+    def counting(topology, profile, trace, cfg, stop_below=None):  # type: ignore[no-untyped-def]
+        sizes.append(len(trace))
+        return real(topology, profile, trace, cfg, stop_below)
+
+    monkeypatch.setattr(simulator, "simulate", counting)
+    monkeypatch.setattr(optimizer, "simulate", counting)
+    model = write_model(tmp_path / "m", SMALL_QWEN2_VL)
+    assert main(["plan", "--model", str(model), "--gpu", "H100", "--instances", "1000", "--json", *flag]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert sum(result["counts"].values()) == 1000 and result["predicted_goodput_rps"] > 0
+    assert len(sizes) == result["simulations"] and max(sizes) == cap  # the cap binds, and holds
+
+
 def test_simulate_needs_a_profile_source(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["simulate", "--topology", "EPD"])  # neither --profile nor --gpu
