@@ -49,21 +49,26 @@ def _add_planner_common(p: argparse.ArgumentParser) -> None:
     _add_workload_args(p)
 
 
+def _add_sim_cap(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-sim-requests", type=int, default=MAX_SIM_REQUESTS, metavar="N",
+                   help="arrivals per goodput-search run at most (0: no cap; else each run holds 15-30 s "
+                        "of arrivals, which for a small model on a large GPU is hundreds of thousands)")
+
+
 def add_planner(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("simulate", help="simulate a topology under a workload (discrete-event)")
     _add_planner_common(s)
     s.add_argument("--topology", required=True, help="e.g. 1E1P1D, 2EP1D, EPD")
     s.add_argument("--rates", type=float, nargs="*", default=[], help="run the workload at each rate")
     s.add_argument("--goodput", action="store_true", help="also search the goodput")
+    _add_sim_cap(s)
     s.set_defaults(func=lazy("triptych.operator.planner.cli:simulate_main"))
     p = sub.add_parser("plan", help="best hybrid method and instance ratio for N instances (simulated)")
     _add_planner_common(p)
     p.add_argument("--instances", type=int, required=True)
     p.add_argument("--methods", nargs="*", default=None, help="subset of E+P+D EP+D ED+P E+PD EPD")
     p.add_argument("--keep-per-method", type=int, default=2, help="ratios per method simulated")
-    p.add_argument("--max-sim-requests", type=int, default=MAX_SIM_REQUESTS, metavar="N",
-                   help="arrivals per simulated run at most (0: no cap; else each run holds 15 s of "
-                        "arrivals, which for a small model on a large GPU is hundreds of thousands)")
+    _add_sim_cap(p)
     p.set_defaults(func=lazy("triptych.operator.planner.cli:plan_main"))
     w = sub.add_parser("workload", help="write a synthetic JSON-lines workload trace")
     w.add_argument("--out", required=True)

@@ -79,7 +79,8 @@ def simulate_main(args: argparse.Namespace) -> int:
         from triptych.operator.planner.capacity import stage_costs
 
         bound = stage_costs(profile, stats(trace), cfg.ttft_slo_s, cfg.tbt_slo_s).bound(topology)
-        out["goodput"] = goodput(topology, profile, trace, cfg, bound).model_dump()
+        out["goodput"] = goodput(topology, profile, trace, cfg, bound,
+                                 max_requests=args.max_sim_requests or None).model_dump()
     if args.json:
         json.dump(out, sys.stdout, indent=1)
         print()

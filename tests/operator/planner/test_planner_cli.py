@@ -44,9 +44,9 @@ SMALL_QWEN2_VL = {**QWEN2_VL_7B, "hidden_size": 64, "intermediate_size": 128, "n
                                     "num_heads": 2}}
 
 
-@pytest.mark.parametrize(("flag", "cap"), [([], 10_000), (["--max-sim-requests", "400", "--num-requests", "200"], 400)])
-def test_plan_bounds_every_simulated_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                         monkeypatch: pytest.MonkeyPatch, flag: list[str], cap: int) -> None:
+@pytest.fixture
+def run_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The arrivals of every simulated run (goodput searches and the optimizer's own runs)."""
     from triptych.operator.planner import optimizer, simulator
 
     sizes: list[int] = []
@@ -58,11 +58,27 @@ def test_plan_bounds_every_simulated_run(tmp_path: Path, capsys: pytest.CaptureF
 
     monkeypatch.setattr(simulator, "simulate", counting)
     monkeypatch.setattr(optimizer, "simulate", counting)
+    return sizes
+
+
+@pytest.mark.parametrize(("flag", "cap"), [([], 10_000), (["--max-sim-requests", "400", "--num-requests", "200"], 400)])
+def test_plan_bounds_every_simulated_run(tmp_path: Path, capsys: pytest.CaptureFixture[str], run_sizes: list[int],
+                                         flag: list[str], cap: int) -> None:
     model = write_model(tmp_path / "m", SMALL_QWEN2_VL)
     assert main(["plan", "--model", str(model), "--gpu", "H100", "--instances", "1000", "--json", *flag]) == 0
     result = json.loads(capsys.readouterr().out)
     assert sum(result["counts"].values()) == 1000 and result["predicted_goodput_rps"] > 0
-    assert len(sizes) == result["simulations"] and max(sizes) == cap  # the cap binds, and holds
+    assert len(run_sizes) == result["simulations"] and max(run_sizes) == cap  # the cap binds, and holds
+
+
+def test_simulate_goodput_bounds_its_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                          run_sizes: list[int]) -> None:
+    model = write_model(tmp_path / "m", SMALL_QWEN2_VL)
+    assert main(["simulate", "--model", str(model), "--gpu", "H100", "--topology", "1E1P1D", "--goodput",
+                 "--num-requests", "100", "--max-sim-requests", "600", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["goodput"]["goodput_rps"] > 0 and out["goodput"]["simulations"] == len(run_sizes) >= 2
+    assert max(run_sizes) == 600
 
 
 def test_simulate_needs_a_profile_source(tmp_path: Path) -> None:
