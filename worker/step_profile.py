@@ -52,7 +52,11 @@ def measure(run: Callable[[], object], repeats: int, clock: Clock = time.perf_co
 
 def measure_decode(engine: Engine, batch: int, context: int, steps: int = 5,
                    clock: Clock = time.perf_counter) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 4, ignore_eos=True)
+    # The batch's first rows decode while the last ones prefill (one token budget a step):
+    # none may finish before the timed steps, however many steps the prefills take.
+    prefill_steps = batch * (-(-max(1, context) // engine.config.token_budget) + 1)
+    max_tokens = min(prefill_steps + steps + 4, engine.max_model_len - max(1, context))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     vocab = engine.spec.vocab_size
     ids = [f"profile-{batch}-{context}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for n, rid in enumerate(ids):
@@ -63,7 +67,9 @@ def measure_decode(engine: Engine, batch: int, context: int, steps: int = 5,
         while not all((r := engine.get_request(rid)) is not None and r.prefill_done for rid in ids):
             if time.monotonic() > deadline:
                 raise TimeoutError("prefill of the decode batch did not finish")
-            engine.step()
+            ended = [out.request_id for out in engine.step() if out.finished and out.request_id in ids]
+            if ended:  # a finished or failed row: the batch would never be whole
+                raise RuntimeError(f"profile request {ended[0]} ended before the decode steps were timed")
         return measure(engine.step, steps, clock)
     finally:
         for rid in ids:

@@ -82,3 +82,16 @@ def test_the_cli_refuses_a_cpu_share_on_another_device(capsys: pytest.CaptureFix
 
     assert main(["profile", "--model", "tiny", "--out", "unused.json", "--cpu-share", "0.5", "--device", "cuda"]) == 2
     assert "--cpu-share profiles a CPU instance; got --device cuda" in capsys.readouterr().err
+
+
+def test_a_decode_batch_longer_to_prefill_than_its_timed_steps_is_measured() -> None:
+    """16 rows of 64 tokens at a 64-token budget take 16 steps to prefill, while the first
+    rows decode: none may finish before the timed steps (it hung for the 600 s deadline,
+    `triptych profile`'s default batch 16 x context 1024), and the engine is left empty."""
+    from triptych.worker.engine.engine import Engine, EngineConfig
+    from triptych.worker.step_profile import measure_decode
+
+    engine = Engine(EngineConfig(model=str(tiny_model_path("qwen2-vl")), role=T.EPD, threads=1, token_budget=64,
+                                 detokenize=False))
+    assert measure_decode(engine, 16, 64) > 0
+    assert not engine.has_work and engine.kv is not None and engine.kv.num_used == 0
