@@ -186,7 +186,8 @@ class InstanceRuntime:
         engine.offload(migrate=False)
         engine.precopy()
         await self._inbox_taken(engine)
-        await wait_for(lambda: not (engine.precopies_waiting() or migration.precopies_outstanding()),
+        await wait_for(lambda: not (engine.precopies_waiting()
+                                    or migration.precopies_outstanding(live=engine.running_decodes())),
                        started + timeout - time.monotonic())
         return time.monotonic() - started
 

@@ -153,10 +153,17 @@ async def test_a_precopy_lease_holds_its_blocks_past_the_request_and_frees_them_
     try:
         _, kv = _decoding_with_precopy_offered(qwen2_vl_dir, src)
         full = kv.num_tokens // src.engine.kv.block_size
+        assert src.engine.running_decodes() == {"x"}
+        assert src.service.precopies_outstanding() == 1 == src.service.precopies_outstanding(live={"x"})
         assert src.service.cancel("x") == 0  # an abort leaves the pre-copy lease be
         src.engine.abort("x")
         src.engine.step()
         assert src.engine.request_ids() == [] and src.engine.kv.num_used == full  # the lease's hold only
+        # ...but a switch's pre-copy no longer waits for it (nobody will pull it): it waits
+        # only for the leases of decodes still running here.
+        assert src.engine.running_decodes() == set()
+        assert src.service.precopies_outstanding() == 1
+        assert src.service.precopies_outstanding(live=src.engine.running_decodes()) == 0
         assert await eventually(lambda: src.service.leases.outstanding() == 0, timeout_s=10.0)
         assert src.engine.kv.num_used == 0
     finally:

@@ -44,9 +44,16 @@ class PreCopy:
     def precopies_waiting(self) -> int:
         """Decodes told to offer a pre-copy that are still running here and have not yet."""
         with self._lock:
-            live = {i for i, r in self._requests.items() if r.status == RequestStatus.DECODING}
-            self.precopy_pending &= live
+            self.precopy_pending &= self._decoding()
             return len(self.precopy_pending)
+
+    def running_decodes(self) -> set[str]:
+        """The ids of the requests decoding here now."""
+        with self._lock:
+            return self._decoding()
+
+    def _decoding(self) -> set[str]:
+        return {i for i, r in self._requests.items() if r.status == RequestStatus.DECODING}
 
     def skip_precopy(self, request_id: str) -> None:
         """The decode's stream offers no pre-copy (it moves whole at the hand-over)."""

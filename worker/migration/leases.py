@@ -25,7 +25,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -113,12 +113,13 @@ class LeaseTable:
             due = [lid for lid, lease in self._leases.items() if lease.expires_at <= now]
         return [lid for lid in due if self._release(lid, "expired")]
 
-    def outstanding(self, owner_suffix: str | None = None) -> int:
-        """Leases not yet released; with `owner_suffix`, those whose owner ends with it."""
+    def outstanding(self, owner_suffix: str | None = None, owners: Collection[str] | None = None) -> int:
+        """Leases not yet released; with `owner_suffix`, those whose owner ends with it; with
+        `owners`, those whose owner is one of them."""
         with self._lock:
-            if owner_suffix is None:
-                return len(self._leases)
-            return sum(1 for lease in self._leases.values() if lease.owner.endswith(owner_suffix))
+            return sum(1 for lease in self._leases.values()
+                       if (owner_suffix is None or lease.owner.endswith(owner_suffix))
+                       and (owners is None or lease.owner in owners))
 
     def subscribe(self, on_offer: Callable[[], None]) -> Callable[[], None]:
         """Call `on_offer` after every offer (on the offering thread); returns the unsubscriber."""

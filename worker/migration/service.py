@@ -16,7 +16,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
@@ -157,9 +157,12 @@ class MigrationService:
         return KVSource(handle=handle, num_tokens=held.num_tokens, first_token=held.tokens[held.num_tokens],
                         generated=generated)
 
-    def precopies_outstanding(self) -> int:
-        """Pre-copy leases no target has confirmed yet (nor expired)."""
-        return self.leases.outstanding(owner_suffix=PRECOPY_OWNER_SUFFIX)
+    def precopies_outstanding(self, live: Collection[str] | None = None) -> int:
+        """Pre-copy leases no target has confirmed yet (nor expired); with `live`, only those
+        of these requests (a decode that ended meanwhile is never pulled, and its lease
+        stays until it expires: nothing to wait for)."""
+        owners = None if live is None else {rid + PRECOPY_OWNER_SUFFIX for rid in live}
+        return self.leases.outstanding(owner_suffix=PRECOPY_OWNER_SUFFIX, owners=owners)
 
     def cancel(self, request_id: str) -> int:
         """The request was aborted: release its leases now (late pulls find nothing held)."""
