@@ -20,8 +20,9 @@ from triptych.cli_args import (
     lazy,
 )
 
-# `plan`'s bound on one simulated run (the live replanner's is 2,000): 1,000 instances of a
-# small model on an H100 roofline plan in 6 s instead of 9 minutes, to the same choice.
+# `plan`'s and `simulate --goodput`'s bound on one simulated run (the live replanner's is
+# 2,000): 1,000 instances of a small model on an H100 roofline plan in 6 s instead of 9
+# minutes, to the same choice.
 MAX_SIM_REQUESTS = 10_000
 
 

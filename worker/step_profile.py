@@ -54,13 +54,14 @@ def measure_decode(engine: Engine, batch: int, context: int, steps: int = 5,
                    clock: Clock = time.perf_counter) -> float:
     # The batch's first rows decode while the last ones prefill (one token budget a step):
     # none may finish before the timed steps, however many steps the prefills take.
-    prefill_steps = batch * (-(-max(1, context) // engine.config.token_budget) + 1)
-    max_tokens = min(prefill_steps + steps + 4, engine.max_model_len - max(1, context))
+    prompt_len = max(1, context)
+    prefill_steps = batch * (-(-prompt_len // engine.token_budget) + 1)
+    max_tokens = min(prefill_steps + steps + 4, engine.max_model_len - prompt_len)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     vocab = engine.spec.vocab_size
     ids = [f"profile-{batch}-{context}-{i}-{time.monotonic_ns()}" for i in range(batch)]
     for n, rid in enumerate(ids):
-        prompt = [(7 * n + 3 * j) % (vocab - 1) + 1 for j in range(max(1, context))]
+        prompt = [(7 * n + 3 * j) % (vocab - 1) + 1 for j in range(prompt_len)]
         engine.add_request(make_request(rid, prompt, params))
     try:
         deadline = time.monotonic() + 600
