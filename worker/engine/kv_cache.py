@@ -19,6 +19,7 @@ from collections import deque
 import torch
 
 from triptych.prefix_hash import BlockHash
+from triptych.worker.engine.prefault import Prefaulter
 from triptych.worker.engine.prefix_cache import PrefixCache
 from triptych.worker.engine.zeroed import zeroed
 
@@ -78,6 +79,7 @@ class KVCache:
         self.block_size = block_size
         self.tensor = zeroed((num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim), dtype, device)
         self.allocator = BlockAllocator(num_blocks, shuffle_seed)  # blocks holding no cached prefix
+        self.prefault = Prefaulter(self.tensor, num_blocks)  # fresh blocks' pages, ahead of use
         self.prefix: PrefixCache | None = PrefixCache() if prefix_caching else None
         self._refs: dict[int, int] = {}  # referenced blocks -> number of references
 
@@ -126,6 +128,8 @@ class KVCache:
             raise OutOfBlocksError(f"asked for {n} blocks, {self.num_free} free of {self.num_blocks}")
         fresh = min(n, self.allocator.num_free)
         ids = self.allocator.allocate(fresh)
+        if ids:
+            self.prefault.ahead(max(ids))
         while len(ids) < n:
             assert self.prefix is not None
             ids.append(self.prefix.evict())
