@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from triptych.worker.engine.kv_cache import KVCache
+from triptych.worker.engine.mm_cache import MMCache
 from triptych.worker.engine.prefault import Prefaulter
 from triptych.worker.engine.zeroed import zeroed
 
@@ -75,6 +76,21 @@ def test_fresh_kv_blocks_are_backed_ahead_of_allocation_without_changing_them() 
     assert kv.prefault.backed_blocks >= 64  # AHEAD_BYTES past block 1, up to every block here
     assert _resident_pages(kv.tensor[:64]) >= 64 * block_pages
     assert kv.tensor[ids[0]].eq(3.0).all() and not kv.tensor[ids[1]:].any()
+
+
+def test_fresh_mm_blocks_are_backed_ahead_of_allocation() -> None:
+    """The MM cache (image embeddings, encoded here or pulled from an E instance) too."""
+    mm = MMCache(num_blocks=2048, rows_per_block=16, hidden_size=1024, dtype=torch.float32,
+                 device="cpu")  # 64 KiB a block, 128 MiB in all
+    if not mm.prefault.enabled:
+        pytest.skip("MADV_POPULATE_WRITE is unavailable here (Linux 5.14+)")
+    block_pages = mm.tensor[0].numel() * 4 // 4096
+    assert _resident_pages(mm.tensor) < block_pages
+    entry = mm.allocate("h", 20)  # two blocks
+    _wait_backed(mm.prefault, 64)
+    assert mm.prefault.backed_blocks >= 64
+    assert _resident_pages(mm.tensor[:64]) >= 64 * block_pages
+    assert entry.block_ids == [0, 1] and not mm.tensor.any()
 
 
 def test_without_the_call_blocks_fault_in_on_use(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from triptych.worker.engine.kv_cache import BlockAllocator, OutOfBlocksError, blocks_for
+from triptych.worker.engine.prefault import Prefaulter
 from triptych.worker.engine.zeroed import zeroed
 
 
@@ -40,6 +41,7 @@ class MMCache:
         self.device = torch.device(device)
         self.tensor = zeroed((num_blocks, rows_per_block, hidden_size), dtype, device)
         self.allocator = BlockAllocator(num_blocks, shuffle_seed)
+        self.prefault = Prefaulter(self.tensor, num_blocks)  # fresh blocks' pages, ahead of use (prefault.py)
         self._entries: OrderedDict[str, MMEntry] = OrderedDict()  # LRU order for eviction
 
     # --- occupancy --------------------------------------------------------------------
@@ -108,6 +110,8 @@ class MMCache:
             victim = next(e for e in self._entries.values() if e.refcount == 0)
             self._drop(victim)
         ids = self.allocator.allocate(need)
+        if ids:
+            self.prefault.ahead(max(ids))
         entry = MMEntry(content_hash, ids, num_rows, refcount=1,
                         flat_index=self._flat_index(ids, num_rows))
         self._entries[content_hash] = entry

@@ -1,4 +1,4 @@
-"""Back a lazily zeroed cache tensor with memory just ahead of its allocator, off the step.
+"""Back a lazily zeroed cache tensor (KV or MM) with memory just ahead of its allocator, off the step.
 
 A cache tensor from `zeroed()` gets its pages on first touch. The allocator hands out
 never-used blocks in ascending order before it reuses any (the prefix cache keeps freed
