@@ -103,3 +103,21 @@ def test_without_the_call_blocks_fault_in_on_use(monkeypatch: pytest.MonkeyPatch
     kv.allocate(8)
     kv.tensor.fill_(1.0)
     assert kv.prefault.backed_blocks == 0 and kv.tensor.eq(1.0).all()
+
+
+def test_blocks_near_the_end_start_no_more_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once every block is asked for, allocations (however high their ids, as when freed
+    blocks come round again) start no thread: the allocator's path stays a comparison."""
+    kv = KVCache(num_blocks=64, num_layers=1, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32,
+                 device="cpu")  # 4 KiB a block: AHEAD_BYTES covers all of it
+    if not kv.prefault.enabled:
+        pytest.skip("MADV_POPULATE_WRITE is unavailable here (Linux 5.14+)")
+    kv.allocate(1)
+    _wait_backed(kv.prefault, 64)
+    assert kv.prefault.backed_blocks == 64
+    started: list[object] = []
+    monkeypatch.setattr("triptych.worker.engine.prefault.threading.Thread",
+                        lambda *a, **k: started.append(k) or pytest.fail("a thread was started"))
+    kv.free(kv.allocate(63))
+    kv.allocate(63)
+    assert not started

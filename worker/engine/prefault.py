@@ -66,10 +66,13 @@ class Prefaulter:
 
     def ahead(self, block: int) -> None:
         """Blocks up to `block` were handed out: back the ones after it (a no-op while they are)."""
-        if not self.enabled or block + self._ahead <= self._target:
+        if not self.enabled or block + self._ahead <= self._target or self._target >= self._num_blocks:
             return
         with self._lock:
-            self._target = min(self._num_blocks, max(self._target, block + 2 * self._ahead))
+            target = min(self._num_blocks, block + 2 * self._ahead)
+            if target <= self._target:
+                return  # near the end: every block is asked for already
+            self._target = target
             if self._running:
                 return
             self._running = True
