@@ -25,6 +25,7 @@ import itertools
 import json
 import socket
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -399,11 +400,22 @@ class OperatorThread:
             # kopf waits 5 s for tasks spawned late in its exit (e.g. a timer re-spawned by a
             # last watch event); cancelling the operator task skips that wait.
             await asyncio.to_thread(self._thread.join, 1.0)
-            if self._thread.is_alive() and self._loop is not None and self._task is not None:
-                self._loop.call_soon_threadsafe(self._task.cancel)
-            await asyncio.to_thread(self._thread.join, 30)
+            # Then cancel every task of its loop, again each second: a task kopf left orphaned
+            # ("did not exit in time") may swallow one cancellation while asyncio.run waits
+            # for it, and the thread would hang there.
+            deadline = time.monotonic() + 30
+            while self._thread.is_alive() and time.monotonic() < deadline:
+                if self._loop is not None:
+                    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                        self._loop.call_soon_threadsafe(_cancel_all_tasks, self._loop)
+                await asyncio.to_thread(self._thread.join, 1.0)
             assert not self._thread.is_alive(), "kopf did not stop"
         assert self.error is None, f"kopf crashed: {self.error!r}"
+
+
+def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    for task in asyncio.all_tasks(loop):
+        task.cancel()
 
 
 @contextlib.asynccontextmanager
