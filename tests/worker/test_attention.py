@@ -170,28 +170,50 @@ def test_steady_decodes_reuse_kept_context_and_match_dense() -> None:
         assert backend._kept.continuing == (step > 1)
 
 
-def test_rows_leaving_and_joining_reshuffle_the_kept_context_and_match_dense() -> None:
+def test_rows_leaving_and_joining_keep_their_slots_and_match_dense() -> None:
     run = _PagedRun(block_size=4, seed=9)
     backend = TorchAttention()
     for seq, n in enumerate([6, 3, 11, 5]):
         run.step([(seq, n)], backend)
     for _ in range(3):
         run.step([(0, 1), (1, 1), (2, 1)], backend)
-    assert backend._kept.continuing
-    slot = backend._kept.slot
+    kept = backend._kept
+    assert kept.continuing and kept.row_slots == [0, 1, 2]
+    assert kept.layout is not None and kept.layout.slots == 7  # room for four to join
+    buffer = kept.buffer
     # sequence 1 leaves, 3 joins (prefilled earlier), the order changes: the rows that
-    # continue come from the kept buffer, only sequence 3's is gathered
+    # continue keep their slots in place, 3 is gathered into the lowest free one (1's)
     assert run.step([(2, 1), (3, 1), (0, 1)], backend).abs().max() < 1e-5
-    moves = backend._kept.moves
-    assert moves is not None and moves.fresh == [1] and moves.source.tolist() == [2, 0]
-    assert backend._kept.slot != slot
-    for _ in range(2):  # and the new layout continues
+    assert kept.continuing and kept.relayout is None and kept.buffer == buffer
+    assert kept.fresh == [1] and kept.row_slots == [2, 1, 0]
+    for _ in range(2):  # and they go on appending
         assert run.step([(2, 1), (3, 1), (0, 1)], backend).abs().max() < 1e-5
-        assert backend._kept.continuing
-    # a mixed step (a prefill chunk beside the decodes) reshuffles its decode rows too
+        assert kept.continuing and kept.fresh == []
+    # a mixed step (a prefill chunk beside the decodes) keeps its decode rows' slots too
     assert run.step([(0, 1), (4, 7), (2, 1)], backend).abs().max() < 1e-5
-    assert backend._kept.moves is not None and backend._kept.moves.fresh == []
+    assert kept.continuing and kept.fresh == [] and kept.row_slots == [0, 2]
     assert run.step([(0, 1), (2, 1)], backend).abs().max() < 1e-5
+    # more rows than slots: the rows that continue are copied into a larger layout
+    for seq in range(5, 12):
+        run.step([(seq, 3 + seq)], backend)
+    rows = [0, 2, 5, 6, 7, 8, 9]
+    assert run.step([(seq, 1) for seq in rows], backend).abs().max() < 1e-5  # nothing kept: gathered
+    assert run.step([(seq, 1) for seq in rows], backend).abs().max() < 1e-5
+    assert kept.layout.slots >= len(rows)
+    run.step([(seq, 1) for seq in rows], backend)
+    grown = [0, 2, 5, 6, 7, 8, 9, 4, 1, 3, 10, 11]
+    assert run.step([(seq, 1) for seq in grown], backend).abs().max() < 1e-5
+    assert kept.relayout is not None and kept.buffer != buffer
+    assert kept.relayout.source.numel() == len(rows) and kept.fresh == [7, 8, 9, 10, 11]
+    assert kept.layout.slots >= len(grown)
+    assert kept.row_slots[6] == 6 and kept.used == 12
+    # one row left, in slot 6: the free slots before it would be wasted attention, so it
+    # moves into a small layout
+    assert run.step([(9, 1)], backend).abs().max() < 1e-5
+    assert kept.relayout is not None and kept.fresh == [] and kept.layout.slots == 5
+    assert kept.row_slots == [0] and kept.used == 1
+    assert run.step([(9, 1)], backend).abs().max() < 1e-5
+    assert kept.continuing
 
 
 def test_a_row_outgrowing_the_kept_width_is_copied_into_a_wider_layout() -> None:
@@ -203,9 +225,9 @@ def test_a_row_outgrowing_the_kept_width_is_copied_into_a_wider_layout() -> None
     for _ in range(30):
         assert run.step([(0, 1), (1, 1), (2, 1)], backend).abs().max() < 1e-5
         kept = backend._kept
-        if kept.moves is not None:
-            assert kept.moves.fresh == []  # every row continues: copied, none gathered
-            grown.append((kept.moves.prev_length, kept.rows.width_blocks * run.block_size))
+        if kept.relayout is not None:
+            assert kept.fresh == []  # every row continues: copied, none gathered
+            grown.append((kept.relayout.prev.width_blocks, kept.layout.width_blocks))
     assert grown and all(old < new for old, new in grown)
 
 

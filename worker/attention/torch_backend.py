@@ -75,7 +75,7 @@ def _decode_attention_cpu(queries: torch.Tensor, keys_t: torch.Tensor, values: t
 class _DecodePlan:
     token_index: torch.Tensor | None  # rows of q in this group (None: all rows, in order)
     flat_blocks: torch.Tensor  # [Bd * nb] int64, each decode's first nb table entries
-    mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool, True where the key exists
+    mask: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool, True where the key exists (kept: one row per slot)
     kept: bool = False  # context from KeptContext (kept_context.py), not gathered here
     additive: torch.Tensor | None = None  # the mask as 0 / -inf (CPU path), built by the first layer
 
@@ -112,9 +112,12 @@ class TorchAttention:
         if len(self._decodes) == 1 and device.type == "cpu":
             rows = groups[0] if len(decode_rows) == meta.num_seqs else [decode_rows[j] for j in groups[0]]
             row_bytes = 2 * geometry.num_kv_heads * geometry.head_dim * geometry.dtype.itemsize
-            self._decodes[0].kept = self._kept.plan([meta.block_tables_list[i] for i in rows],
-                                                    [meta.kv_lens_list[i] for i in rows], meta.block_size,
-                                                    row_bytes, device)
+            plan = self._decodes[0]
+            plan.kept = self._kept.plan([meta.block_tables_list[i] for i in rows],
+                                        [meta.kv_lens_list[i] for i in rows], meta.block_size, row_bytes, device)
+            if plan.kept:  # the mask in the kept context's slot order
+                lens = torch.tensor(self._kept.slot_lens, device=device)
+                plan.mask = (torch.arange(plan.mask.shape[-1], device=device)[None, :] < lens[:, None])[:, None, None, :]
         else:
             self._kept.reset()
         self._prefills = [
@@ -189,10 +192,16 @@ class TorchAttention:
         # GQA without repeating K/V: the `group` query heads sharing a KV head become
         # that head's query rows (head h uses KV head h // group, as in transformers).
         queries = q.reshape(batch, geo.num_kv_heads, group, geo.head_dim)
-        if plan.kept:  # CPU only (kept_context.py)
+        if plan.kept:  # CPU only (kept_context.py): rows attend in their slots
             length = plan.mask.shape[-1]
             keys_t, values = self._kept.context(kv_cache, layer, k, v)
-            out = _decode_attention_cpu(queries.to(values.dtype), keys_t[..., :length], values[:, :, :length], plan)
+            slots, used = self._kept.slot_index, plan.mask.shape[0]
+            queries = queries.to(values.dtype)
+            if slots is not None:
+                queries = queries.new_zeros((used, *queries.shape[1:])).index_copy_(0, slots, queries)
+            out = _decode_attention_cpu(queries, keys_t[:used, ..., :length], values[:used, :, :length], plan)
+            if slots is not None:
+                out = out.index_select(0, slots)
             return out.reshape(batch, geo.num_heads, geo.head_dim).to(q.dtype)
         # Padded context per sequence: [B * nb, bs, Hkv, D] -> [B, Hkv, L, D]. index_select
         # copies whole blocks (contiguous runs); advanced indexing of the strided per-layer
