@@ -186,12 +186,23 @@ def test_autoscale_shift_smoke(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_ttft_overhead_goes_negative_when_request_work_would_delay_the_first_token() -> None:
     # Request work is charged up front, but a prefilling instance's share partly comes after
-    # the first token (serving the KV pull): a lone TTFT shorter than the steps plus that
-    # work gives a negative overhead, at most the prefilling types' request work.
+    # the first token (serving the KV pull) and an encoding instance's after its hand-off: a
+    # lone TTFT shorter than the steps plus that work gives a negative overhead, at most
+    # the encoding and prefilling types' request work.
     profile = roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100")
     topo = parse_topology("1E1P1D")
     lone = with_template([TraceRequest(t=0, images=[(224, 224)], prompt_tokens=30, output_tokens=9)], 20)
     cpu = {"E": 0.01, "P": 0.02, "D": 0.01}
     fit = fit_overheads(topo, profile, lone, SimConfig(), cal(0.03, 0.006, 0.0075, cpu), instance_cpus=0.5)
-    assert -fit.cfg.request_work_s["P"] <= fit.cfg.ttft_overhead_s < 0
+    work = fit.cfg.request_work_s
+    assert -work["P"] <= fit.cfg.ttft_overhead_s < 0
     assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s == pytest.approx(0.03, rel=1e-6)
+    # Faster still: more than the P's work comes off, never more than the E's and P's.
+    fit = fit_overheads(topo, profile, lone, SimConfig(), cal(0.01, 0.006, 0.0075, cpu), instance_cpus=0.5)
+    assert -(work["E"] + work["P"]) <= fit.cfg.ttft_overhead_s < -work["P"]
+    assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s == pytest.approx(0.01, rel=1e-6)
+    # Faster than the steps alone: the bound holds.
+    fit = fit_overheads(topo, profile, lone, SimConfig(), cal(1e-4, 0.006, 0.0075, cpu), instance_cpus=0.5)
+    work = fit.cfg.request_work_s
+    assert fit.cfg.ttft_overhead_s == pytest.approx(-(work["E"] + work["P"]))
+    assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s > 1e-4

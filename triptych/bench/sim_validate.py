@@ -218,7 +218,8 @@ def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone:
        long in wall time;
     3. a TTFT overhead for what is left of the lone request's TTFT: the router and the
        hops' latency, which use no instance's capacity (negative, down to minus the
-       prefilling types' request work, where that work partly follows the first token)."""
+       encoding and prefilling types' request work, where that work partly follows their
+       hand-off)."""
     from triptych.operator.planner.simulator import Simulation
 
     fitted = profile
@@ -248,8 +249,10 @@ def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone:
     again = simulate(topology, fitted, lone, cfg)
     # Negative when the lone request's first token came sooner than its request work
     # charged up front allows: some of a prefilling instance's work per request (serving
-    # the KV pull) comes after the first token. At most that work.
-    after = sum(w for kind, w in cfg.request_work_s.items() if InstanceType(kind).runs(Stage.PREFILL))
+    # the KV pull) comes after the first token, and some of an encoding instance's (its
+    # stage run's events and lease release) after its hand-off. At most that work.
+    after = sum(w for kind, w in cfg.request_work_s.items()
+                if InstanceType(kind).runs(Stage.PREFILL) or InstanceType(kind).runs(Stage.ENCODE))
     overhead = max(-after, cal.ttft_s - (again.ttft_p50_s or 0.0))
     return Fitted(fitted, cfg.model_copy(update={"ttft_overhead_s": overhead}))
 
