@@ -307,7 +307,9 @@ def test_must_show_2e2p2d_switch_cycle_under_64_streams(tmp_path: Path) -> None:
             if n == 0:  # whichever D the router gave decodes to
                 def during(r: str = role) -> dict:
                     return _switch_a_busy_d(dep, r, min_running=4)
-            for _attempt in range(3 if decoding else 1):
+            # Up to five tries: a CI run on 2 busy cores once had three in a row where the
+            # decodes had ended before the switch reached them (all streams exact, none failed).
+            for _attempt in range(5 if decoding else 1):
                 results, report = asyncio.run(_run_while(model, dep, cases, during))
                 assert report["role"] == role
                 _assert_exact(model, cases, results, expected)
