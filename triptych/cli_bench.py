@@ -193,6 +193,11 @@ def _add_simulate_validate(bsub: argparse._SubParsersAction) -> None:
     v.add_argument("--fit-request-work", action=argparse.BooleanOptionalAction, default=True,
                    help="with --fit-overheads: charge the instances' CPU per request, beyond their steps, "
                         "as busy time (else all of it is latency)")
+    v.add_argument("--repeats", type=int, default=1, help="deployments measured per topology (fresh each): "
+                   "the measured figures are their medians and the table shows how far apart they were")
+    v.add_argument("--lone-noise", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --fit-overheads: give each simulated request, in turn, one lone request's "
+                        "measured TTFT spread around the median (and its TPOT as a factor on the median)")
     add_slos(v, 2.0, 0.2)
     _add_local_run_report(v)
     v.set_defaults(func=lazy("triptych.bench.sim_validate:cli_main"))

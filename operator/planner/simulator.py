@@ -53,6 +53,21 @@ class SimConfig(BaseModel):
                                    "instances before its first token (HTTP hops, SSE): added to TTFT and E2E; "
                                    "negative: request work (request_work_s) that the simulator charges "
                                    "before a request's first token and the served path does after it")
+    ttft_noise_s: list[float] = Field(default_factory=list, description="measured spread of a lone "
+                                      "request's TTFT around its median (seconds), the k-th request getting "
+                                      "the (k mod n)-th: what the serving environment adds that the "
+                                      "simulator's deterministic steps do not (a CPU quota's period phase, OS "
+                                      "scheduling); empty: none")
+    tpot_noise: list[float] = Field(default_factory=list, description="the same for TPOT, as factors on "
+                                    "each request's simulated TPOT (1.0: its median)")
+
+    def ttft_extra_s(self, rid: int) -> float:
+        """What request `rid` spends before its first token beyond the instances' steps."""
+        noise = self.ttft_noise_s[rid % len(self.ttft_noise_s)] if self.ttft_noise_s else 0.0
+        return self.ttft_overhead_s + noise
+
+    def tpot_factor(self, rid: int) -> float:
+        return self.tpot_noise[rid % len(self.tpot_noise)] if self.tpot_noise else 1.0
 
 
 class SimReport(BaseModel):
@@ -199,7 +214,7 @@ class Simulation:
             arrive(now)
 
     def _first_token(self, req: SimRequest, now: float) -> None:
-        if now - req.arrival + self.cfg.ttft_overhead_s > self.cfg.ttft_slo_s:
+        if now - req.arrival + self.cfg.ttft_extra_s(req.rid) > self.cfg.ttft_slo_s:
             req.missed = True
             self.missed += 1
         assert req.prefiller is not None and req.decoder is not None
@@ -256,11 +271,12 @@ class Simulation:
         done = [r for r in self.requests if r.finish is not None]
         n = len(self.requests)
         met = sum(1 for r in done if not r.missed)
-        extra = self.cfg.ttft_overhead_s
-        ttft = sorted(max(0.0, r.first_token - r.arrival + extra) for r in done if r.first_token is not None)
-        tpot = sorted((r.finish - r.first_token) / (r.output_tokens - 1) for r in done
+        cfg = self.cfg
+        ttft = sorted(max(0.0, r.first_token - r.arrival + cfg.ttft_extra_s(r.rid)) for r in done
+                      if r.first_token is not None)
+        tpot = sorted(cfg.tpot_factor(r.rid) * (r.finish - r.first_token) / (r.output_tokens - 1) for r in done
                       if r.first_token is not None and r.output_tokens > 1)
-        e2e = sorted(r.finish - r.arrival + extra for r in done)
+        e2e = sorted(r.finish - r.arrival + cfg.ttft_extra_s(r.rid) for r in done)
         util: dict[str, list[float]] = {}
         for inst in self.instances:
             util.setdefault(inst.kind.value, []).append(inst.busy_time / end if end > 0 else 0.0)

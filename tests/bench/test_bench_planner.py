@@ -16,6 +16,8 @@ from triptych.bench.sim_validate import (
     fit_overheads,
     format_table,
     measure_profile,
+    measured_cells,
+    pooled,
     with_template,
 )
 from triptych.cli import build_parser, main
@@ -206,3 +208,35 @@ def test_ttft_overhead_goes_negative_when_request_work_would_delay_the_first_tok
     work = fit.cfg.request_work_s
     assert fit.cfg.ttft_overhead_s == pytest.approx(-(work["E"] + work["P"]))
     assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s > 1e-4
+
+
+def test_calibrations_pool_into_medians_mean_cpu_and_every_spread() -> None:
+    a = Calibration(0.04, 0.006, 0.008, 4, {"E": 0.01, "D": 0.02}, 20, [-0.002, 0.0, 0.003], [0.9, 1.0, 1.2])
+    b = Calibration(0.05, 0.007, 0.009, 4, {"E": 0.03}, 20, [0.0, 0.05], [1.0, 1.5])
+    c = Calibration(0.08, 0.010, 0.012, 4, {"E": 0.02, "D": 0.04}, 20, [0.0], [1.0])
+    one = pooled([a, b, c])
+    assert (one.ttft_s, one.tpot_s, one.burst_tpot_s) == (0.05, 0.007, 0.009)
+    assert one.cpu_s == pytest.approx({"D": 0.03, "E": 0.02})
+    assert one.ttft_noise_s == [-0.002, 0.0, 0.003, 0.0, 0.05, 0.0]
+    assert one.noise()["tpot_noise"] == [0.9, 1.0, 1.2, 1.0, 1.5, 1.0]
+    assert pooled([a]) is a
+
+
+def test_repeated_runs_give_the_median_and_their_spread() -> None:
+    def report(ttft: float | None) -> dict[str, object]:
+        return {"completed": 24, "num_requests": 24, "ttft_p50_s": ttft, "ttft_p90_s": 0.08,
+                "tpot_p50_s": 0.006, "tpot_p90_s": None}
+    cells = measured_cells([report(0.04), report(0.06)])
+    assert cells["completed"] == cells["num_requests"] == 48 and cells["runs"] == 2
+    assert cells["measured_ttft_p50_s"] == pytest.approx(0.05)
+    assert cells["measured_ttft_p50_s_runs"] == [0.04, 0.06]
+    assert cells["repeat_spread_ttft_p50_s"] == pytest.approx(40.0)
+    assert cells["repeat_spread_ttft_p90_s"] == 0.0
+    assert cells["measured_tpot_p90_s"] is None and cells["repeat_spread_tpot_p90_s"] is None
+    assert measured_cells([report(0.04)])["repeat_spread_ttft_p50_s"] is None  # one run: no spread
+    row = {"topology": "EPD", "rate": 2.0, "load_avg_1m": 1.0, **cells}
+    for m in ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s"):
+        row[f"simulated_{m}"], row[f"error_{m}"] = 0.05, 0.0
+    text = format_table([row])
+    assert "repeat%" in text.splitlines()[0] and "40.0" in text
+    assert "1/3 cells whose runs differ by more than 15%" in text

@@ -16,10 +16,15 @@ workload on this machine (issue 11: TTFT and TPOT p50 / p90, error in %).
 The profile times the engine's steps alone; a served request also pays for HTTP hops
 (client -> router -> instances, SSE back), the worker's driver loop and streaming. With
 `--fit-overheads` (the default) these fixed costs are measured per topology from a lone
-request before the load (ten warm-ups, nine timed; no queueing): a cost per decoding request per step
+request before the load (ten warm-ups, fifteen timed; no queueing): a cost per decoding request per step
 (`StepProfile.decode_token_overhead_s`) so the simulated TPOT of that request matches,
 busy time per request per instance type from the instances' CPU
-(`SimConfig.request_work_s`), then a per-request TTFT overhead (`SimConfig.ttft_overhead_s`). What the loaded runs then
+(`SimConfig.request_work_s`), then a per-request TTFT overhead (`SimConfig.ttft_overhead_s`).
+With `--lone-noise` (the default) each simulated request then gets, in turn, one lone
+request's spread around their median (`SimConfig.ttft_noise_s`, `tpot_noise`): the
+simulator's steps are deterministic, so without it a light load's p90 equals its p50,
+while a capped instance's requests land at any phase of the quota's period (lone TTFTs of
+one deployment 23-71 ms at 0.25 CPU, 14-21 ms uncapped). What the loaded runs then
 validate is the simulator's batching and queueing. `--no-fit-overheads` compares the
 raw profile.
 """
@@ -34,7 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -103,14 +108,22 @@ class Calibration:
     burst: int
     cpu_s: dict[str, float]  # CPU seconds per lone request, by instance type
     template_tokens: int
+    ttft_noise_s: list[float] = field(default_factory=list)  # each timed lone TTFT less their median
+    tpot_noise: list[float] = field(default_factory=list)  # each timed lone TPOT over their median
+
+    def noise(self) -> dict[str, list[float]]:
+        """The lone requests' spread as `SimConfig` fields: what the environment adds to a
+        request that the simulator's deterministic steps do not (on a capped instance, where
+        in the quota's period its work falls; OS scheduling on shared cores)."""
+        return {"ttft_noise_s": self.ttft_noise_s, "tpot_noise": self.tpot_noise}
 
 
 async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
-                             repeats: int = 9, burst: int = 4, burst_repeats: int = 3,
+                             lone_timed: int = 15, burst: int = 4, burst_repeats: int = 3,
                              pause_s: float = 0.5, warmups: int = 10) -> Calibration:
     """Lone requests shaped like the trace's first (`warmups` untimed: a fresh deployment's
     first ten or so requests are slower, 1E1P1D at 0.25 CPU: TTFT median 64 ms over its
-    requests 2-10 against 43 ms over 11-30; then `repeats` timed; no
+    requests 2-10 against 43 ms over 11-30; then `lone_timed` timed; no
     queueing): their median TTFT and TPOT and the CPU seconds the instances of each type
     (`pids` by type) spent per request; then `burst_repeats` bursts of `burst` of them sent
     at once, for the TPOT of a decode batch of `burst` (what splits the served path's cost
@@ -121,7 +134,7 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
         model, ends = await discover(client, url, [], {})
         scale = await calibrate(client, url, model, {})
-        lone = repeats + warmups
+        lone = lone_timed + warmups
         bodies = trace_bodies([trace[0]] * (lone + burst * burst_repeats), model, seed=99, scale=scale)
         endpoint = f"{url}/v1/chat/completions"
         ttfts, tpots = [], []
@@ -135,7 +148,7 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
                 raise BenchError(f"lone request failed: {r.error}")
             ttfts.append(r.ttft)
             tpots.append(r.tpot or 0.0)
-        cpu = {name: (sum(cpu_seconds(p) for p in ps) - cpu0[name]) / repeats for name, ps in pids.items()}
+        cpu = {name: (sum(cpu_seconds(p) for p in ps) - cpu0[name]) / lone_timed for name, ps in pids.items()}
         burst_tpots = []
         rest = bodies[lone:]
         for k in range(burst_repeats):
@@ -145,9 +158,10 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
             if not all(r.ok for r in results):
                 raise BenchError(f"burst request failed: {[r.error for r in results if not r.ok][0]}")
             burst_tpots += [r.tpot for r in results if r.tpot is not None]
-    return Calibration(statistics.median(ttfts[warmups:]), statistics.median(tpots[warmups:]),
-                       statistics.median(burst_tpots) if burst_tpots else statistics.median(tpots[warmups:]),
-                       burst, cpu, scale.template_tokens)
+    ttft, tpot = statistics.median(ttfts[warmups:]), statistics.median(tpots[warmups:])
+    return Calibration(ttft, tpot, statistics.median(burst_tpots) if burst_tpots else tpot, burst, cpu,
+                       scale.template_tokens, [t - ttft for t in ttfts[warmups:]],
+                       [t / tpot for t in tpots[warmups:]] if tpot > 0 else [])
 
 
 @dataclass
@@ -257,15 +271,58 @@ def fit_overheads(topology: dict[InstanceType, int], profile: StepProfile, lone:
     return Fitted(fitted, cfg.model_copy(update={"ttft_overhead_s": overhead}))
 
 
-def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, profile: StepProfile,
-                 trace: list[TraceRequest], args: argparse.Namespace) -> list[dict[str, Any]]:
+def _span(xs: list[float], scale: float = 1.0, unit: str = "") -> str:
+    return f"{min(xs) * scale:+.2f}..{max(xs) * scale:+.2f}{unit}" if xs else "-"
+
+
+@dataclass
+class MeasuredRun:
+    """One deployment of a topology: its calibration and the trace replayed at each rate."""
+
+    cal: Calibration
+    rates: list[dict[str, Any]]  # run_bench's report per rate, in the order of --rates
+    load_avg_1m: float
+
+
+def pooled(cals: list[Calibration]) -> Calibration:
+    """Several deployments' calibrations as one: the medians of their medians, the mean CPU
+    per request, every lone request's spread (around its own deployment's median)."""
+    if len(cals) == 1:
+        return cals[0]
+    kinds = {k for c in cals for k in c.cpu_s}
+    return Calibration(
+        ttft_s=statistics.median(c.ttft_s for c in cals), tpot_s=statistics.median(c.tpot_s for c in cals),
+        burst_tpot_s=statistics.median(c.burst_tpot_s for c in cals), burst=cals[0].burst,
+        cpu_s={k: statistics.mean(c.cpu_s[k] for c in cals if k in c.cpu_s) for k in sorted(kinds)},
+        template_tokens=cals[0].template_tokens, ttft_noise_s=[x for c in cals for x in c.ttft_noise_s],
+        tpot_noise=[x for c in cals for x in c.tpot_noise])
+
+
+def measured_cells(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One rate's reports from several deployments as one row's measured part: each metric's
+    median over the runs, the runs' values, and how far apart they are (max - min over the
+    median, in %): the measurement's own repeatability, a floor under any simulator's error."""
+    row: dict[str, Any] = {"completed": sum(r["completed"] for r in reports),
+                           "num_requests": sum(r["num_requests"] for r in reports), "runs": len(reports)}
+    for m in METRICS:
+        values = [r.get(m) for r in reports]
+        known = [v for v in values if v is not None]
+        mid = statistics.median(known) if known else None
+        row[f"measured_{m}"], row[f"measured_{m}_runs"] = mid, values
+        row[f"repeat_spread_{m}"] = (100.0 * (max(known) - min(known)) / mid
+                                     if len(known) > 1 and mid else None)
+    return row
+
+
+def measure_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, trace: list[TraceRequest],
+                     args: argparse.Namespace, run: int) -> MeasuredRun:
+    """A fresh capacity-faithful deployment: calibrate, then replay the trace at each rate."""
     from triptych.local import LocalDeployment
 
-    sim_cfg = SimConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
+    log_dir = Path(args.log_dir) / (spec if run == 0 else f"{spec}.{run}") if args.log_dir else None
     dep = LocalDeployment(model=model_dir, topology=topology, transfer_require=args.transfer_require,
                           instance_cpus=args.instance_cpus, cpu_priority=args.priority,
-                          cpu_period_ms=args.instance_cpu_period_ms, log_dir=Path(args.log_dir) / spec if args.log_dir else None)
-    rows = []
+                          cpu_period_ms=args.instance_cpu_period_ms, log_dir=log_dir)
     with dep:
         if args.instance_cpus and dep.quota is None:
             progress(f"warning: {spec} runs WITHOUT CPU quotas ({dep.quota_error})")
@@ -273,35 +330,49 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
         for w in dep.workers:  # worker-<type>-<index>
             pids.setdefault(w.name.split("-")[1], []).append(w.popen.pid)
         cal = asyncio.run(calibrate_requests(dep.router_url, trace, pids))
-        lone_ttft, lone_tpot, lone_cpu = cal.ttft_s, cal.tpot_s, cal.cpu_s
-        sim_trace = with_template(trace, cal.template_tokens)
-        fit = Fitted(profile, sim_cfg)
-        if args.fit_overheads:
-            fit = fit_overheads(topology, profile, sim_trace[:1], sim_cfg, cal, args.fit_request_work,
-                                args.instance_cpus)
-        cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in lone_cpu.items())
-        progress(f"== {spec}: lone TTFT {lone_ttft * 1e3:.1f} ms, TPOT {lone_tpot * 1e3:.2f} ms, burst of "
-                 f"{cal.burst} TPOT {cal.burst_tpot_s * 1e3:.2f} ms, instance CPU {cpu_text} ms, template "
-                 f"{cal.template_tokens} tokens; fitted {fit.describe()}")
+        cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in cal.cpu_s.items())
+        progress(f"== {spec} (run {run + 1}): lone TTFT {cal.ttft_s * 1e3:.1f} ms, TPOT {cal.tpot_s * 1e3:.2f} ms, "
+                 f"burst of {cal.burst} TPOT {cal.burst_tpot_s * 1e3:.2f} ms, instance CPU {cpu_text} ms, template "
+                 f"{cal.template_tokens} tokens; lone TTFT {_span(cal.ttft_noise_s, 1e3, ' ms')} around the "
+                 f"median, TPOT x{_span(cal.tpot_noise)}")
         cfg = RunConfig(work=Workload(), slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), rates=list(args.rates),
                         seed=args.seed, timeout_s=args.request_timeout, warmup=0, trace=trace)
         load_before = os.getloadavg()[0]
         measured = asyncio.run(run_bench(dep.router_url, cfg, [w.url for w in dep.workers]))
         load_after = os.getloadavg()[0]
-    for rate, real in zip(args.rates, measured["rates"], strict=True):
+    return MeasuredRun(cal, measured["rates"], round(max(load_before, load_after), 2))
+
+
+def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, profile: StepProfile,
+                 trace: list[TraceRequest], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """`--repeats` deployments of the topology measured; the simulator fitted once to their
+    pooled calibration; per rate, the measured medians against the simulation."""
+    runs = [measure_topology(spec, topology, model_dir, trace, args, k) for k in range(args.repeats)]
+    cal = pooled([r.cal for r in runs])
+    sim_cfg = SimConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo)
+    sim_trace = with_template(trace, cal.template_tokens)
+    fit = Fitted(profile, sim_cfg)
+    if args.fit_overheads:
+        fit = fit_overheads(topology, profile, sim_trace[:1], sim_cfg, cal, args.fit_request_work,
+                            args.instance_cpus)
+        if args.lone_noise:  # after the fit, which matches the lone requests' medians
+            fit = Fitted(fit.profile, fit.cfg.model_copy(update=cal.noise()))
+    progress(f"== {spec}: fitted {fit.describe()}")
+    rows = []
+    for i, rate in enumerate(args.rates):
         sim = simulate(topology, fit.profile, timed(sim_trace, rate), fit.cfg)
-        row: dict[str, Any] = {"topology": spec, "rate": rate, "completed": real["completed"],
-                               "num_requests": real["num_requests"], "ttft_overhead_s": fit.cfg.ttft_overhead_s,
+        row: dict[str, Any] = {"topology": spec, "rate": rate, **measured_cells([r.rates[i] for r in runs]),
+                               "ttft_overhead_s": fit.cfg.ttft_overhead_s,
                                "request_work_s": fit.cfg.request_work_s,
                                "decode_token_overhead_s": fit.profile.decode_token_overhead_s,
                                "step_overhead_s": fit.profile.step_overhead_s,
                                "burst_tpot_s": cal.burst_tpot_s,
-                               "lone_ttft_s": lone_ttft,
-                               "lone_tpot_s": lone_tpot, "lone_instance_cpu_s": lone_cpu,
-                               "load_avg_1m": round(max(load_before, load_after), 2)}
+                               "lone_ttft_s": cal.ttft_s,
+                               "lone_tpot_s": cal.tpot_s, "lone_instance_cpu_s": cal.cpu_s,
+                               "load_avg_1m": max(r.load_avg_1m for r in runs)}
         for m in METRICS:
-            row[f"measured_{m}"], row[f"simulated_{m}"] = real.get(m), getattr(sim, m)
-            row[f"error_{m}"] = error_pct(getattr(sim, m), real.get(m))
+            row[f"simulated_{m}"] = getattr(sim, m)
+            row[f"error_{m}"] = error_pct(getattr(sim, m), row[f"measured_{m}"])
         rows.append(row)
     return rows
 
@@ -311,13 +382,16 @@ LABELS = {"ttft_p50_s": "TTFT p50", "ttft_p90_s": "TTFT p90", "tpot_p50_s": "TPO
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """One line per topology, rate and metric: measured, simulated (ms), error %."""
-    head = ("topology", "rate", "ok", "load1m", "metric", "measured", "simulated", "error%")
+    repeated = any(r.get("runs", 1) > 1 for r in rows)
+    head = ("topology", "rate", "ok", "load1m", "metric", "measured", "simulated", "error%",
+            *(("repeat%",) if repeated else ()))
     lines = ["  ".join(f"{h:>9}" for h in head)]
     for r in rows:
         for m in METRICS:
             cells = [r["topology"], fmt(float(r["rate"]), 1, 2), f"{r['completed']}/{r['num_requests']}",
                      fmt(r["load_avg_1m"], 1, 2), LABELS[m], fmt(r[f"measured_{m}"], 1e3, 1),
-                     fmt(r[f"simulated_{m}"], 1e3, 1), fmt(r[f"error_{m}"], 1, 1)]
+                     fmt(r[f"simulated_{m}"], 1e3, 1), fmt(r[f"error_{m}"], 1, 1),
+                     *((fmt(r.get(f"repeat_spread_{m}"), 1, 1),) if repeated else ())]
             lines.append("  ".join(f"{c:>9}" for c in cells))
     errs = [abs(r[f"error_{m}"]) for r in rows for m in METRICS if r[f"error_{m}"] is not None]
     if errs:
@@ -328,6 +402,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             part = [abs(r[f"error_{m}"]) for r in rows if r[f"error_{m}"] is not None]
             if part:
                 lines.append(f"  {LABELS[m]}: mean |error| {statistics.mean(part):.1f}%")
+    spreads = [r[f"repeat_spread_{m}"] for r in rows for m in METRICS if r.get(f"repeat_spread_{m}") is not None]
+    if spreads:
+        lines.append(f"measured: the median of {max(r.get('runs', 1) for r in rows)} deployments per topology; "
+                     f"repeat% = (max - min) / median over them: mean {statistics.mean(spreads):.1f}%, "
+                     f"{sum(x > 15 for x in spreads)}/{len(spreads)} cells whose runs differ by more than 15%.")
     return "\n".join(lines)
 
 
@@ -340,8 +419,8 @@ def cli_main(args: argparse.Namespace) -> int:
             topologies = {s.strip(): parse_topology(s.strip()) for s in args.topologies.split(",") if s.strip()}
         except TopologyError as exc:
             raise BenchError(str(exc)) from exc
-        if not topologies or not args.rates or any(r <= 0 for r in args.rates):
-            raise BenchError("need --topologies and positive --rates")
+        if not topologies or not args.rates or any(r <= 0 for r in args.rates) or args.repeats < 1:
+            raise BenchError("need --topologies, positive --rates and --repeats of at least 1")
         model_dir = resolve_model(args.model)
         if args.profile:
             profile = StepProfile.load(args.profile)
@@ -356,7 +435,7 @@ def cli_main(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     result = {"rows": rows, "profile_source": profile.source, "instance_cpus": args.instance_cpus,
-              "priority": args.priority, "workload": {
+              "priority": args.priority, "repeats": args.repeats, "workload": {
                   "num_requests": args.num_requests, "images_per_request": args.images_per_request,
                   "image_size": list(args.image_size), "prompt_tokens": args.prompt_tokens,
                   "output_tokens": args.output_tokens}}

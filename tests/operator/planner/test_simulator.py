@@ -169,3 +169,20 @@ def test_goodput_without_a_finite_guess_still_searches(q7b: StepProfile) -> None
     trace = generate(WorkloadSpec(num_requests=100, images_per_request=fixed(0), output_tokens=fixed(1)))
     g = goodput({T.EPD: 1}, q7b, trace, SimConfig(ttft_slo_s=2, tbt_slo_s=0.1), float("inf"), min_duration_s=5)
     assert 0 < g.goodput_rps < float("inf")
+
+
+def test_measured_noise_spreads_each_request_in_turn_and_counts_against_the_slo() -> None:
+    # Four identical, well separated requests: without noise every TTFT and TPOT is the same,
+    # so p90 equals p50; with it the k-th request gets the (k mod n)-th offset and factor.
+    prof = linear_profile()
+    trace = [TraceRequest(t=float(k), prompt_tokens=20, output_tokens=3) for k in range(4)]
+    plain = simulate({T.EPD: 1}, prof, trace, SimConfig(ttft_slo_s=10, tbt_slo_s=1))
+    assert plain.ttft_p50_s == plain.ttft_p90_s and plain.tpot_p50_s == plain.tpot_p90_s
+    cfg = SimConfig(ttft_slo_s=plain.ttft_p50_s + 0.05, tbt_slo_s=1, ttft_overhead_s=0.01,
+                    ttft_noise_s=[0.0, 0.1], tpot_noise=[1.0, 1.0, 1.0, 2.0])
+    noisy = simulate({T.EPD: 1}, prof, trace, cfg)
+    assert noisy.ttft_p50_s == pytest.approx(plain.ttft_p50_s + 0.01)
+    assert noisy.ttft_p90_s == pytest.approx(plain.ttft_p50_s + 0.11)
+    assert noisy.tpot_p50_s == pytest.approx(plain.tpot_p50_s)
+    assert noisy.tpot_p90_s == pytest.approx(2 * plain.tpot_p50_s)
+    assert noisy.slo_attainment == 0.5  # requests 1 and 3 start 0.11 s late, over the TTFT SLO
