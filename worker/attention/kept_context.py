@@ -177,10 +177,9 @@ class KeptContext:
         for key, s in zip(keys, slots, strict=True):
             self.occupants[s] = key
         self.row_slots, self.fresh = slots, fresh
-        identity = slots == list(range(len(slots)))
-        self.slot_index = None if identity else torch.tensor(slots, device=device)
-        self.new_pos = (torch.tensor(slots, device=device),
-                        torch.tensor([key[1] for key in keys], device=device) - 1)
+        slot_tensor = torch.tensor(slots, device=device)
+        self.slot_index = None if slots == list(range(len(slots))) else slot_tensor
+        self.new_pos = (slot_tensor, torch.tensor([key[1] for key in keys], device=device) - 1)
 
     def context(self, kv_cache: torch.Tensor, layer: int, k_new: torch.Tensor,
                 v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,6 +71,12 @@ def _decode_attention_cpu(queries: torch.Tensor, keys_t: torch.Tensor, values: t
     return torch.matmul(torch.softmax(scores, dim=-1), values)
 
 
+def _length_mask(lens: list[int], width: int, device: torch.device) -> torch.Tensor:
+    """`[B, 1, 1, width]` bool, True where row b's key position is below `lens[b]`."""
+    lengths = torch.tensor(lens, device=device)
+    return (torch.arange(width, device=device)[None, :] < lengths[:, None])[:, None, None, :]
+
+
 @dataclass
 class _DecodePlan:
     token_index: torch.Tensor | None  # rows of q in this group (None: all rows, in order)
@@ -116,8 +122,7 @@ class TorchAttention:
             plan.kept = self._kept.plan([meta.block_tables_list[i] for i in rows],
                                         [meta.kv_lens_list[i] for i in rows], meta.block_size, row_bytes, device)
             if plan.kept:  # the mask in the kept context's slot order
-                lens = torch.tensor(self._kept.slot_lens, device=device)
-                plan.mask = (torch.arange(plan.mask.shape[-1], device=device)[None, :] < lens[:, None])[:, None, None, :]
+                plan.mask = _length_mask(self._kept.slot_lens, plan.mask.shape[-1], device)
         else:
             self._kept.reset()
         self._prefills = [
@@ -131,8 +136,6 @@ class TorchAttention:
         nb = max(-(-n // bs) for n in kv_lens)
         in_order = rows == list(range(meta.num_seqs))  # every row, as laid out in q
         tables = meta.block_tables[:, :nb] if in_order else meta.block_tables[rows, :nb]
-        lens = torch.tensor(kv_lens, device=device)
-        mask = torch.arange(nb * bs, device=device)[None, :] < lens[:, None]
         index = None
         if not in_order:
             # A decode's one query row is at its sequence's offset in the batch.
@@ -140,7 +143,7 @@ class TorchAttention:
             for n in meta.query_lens[:-1]:
                 starts.append(starts[-1] + n)
             index = torch.tensor([starts[i] for i in rows], device=device)
-        return _DecodePlan(index, tables.reshape(-1).long(), mask[:, None, None, :])
+        return _DecodePlan(index, tables.reshape(-1).long(), _length_mask(kv_lens, nb * bs, device))
 
     @staticmethod
     def _plan_prefill(meta: AttentionMetadata, i: int, device: torch.device) -> _PrefillSeq:
