@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from triptych.topology import UNASSIGNED, InstanceType, Stage
@@ -21,6 +22,8 @@ from triptych.worker.video_pull import VideoPuller
 from triptych.worker.waits import wait_for
 
 log = logging.getLogger("triptych.worker.instance")
+
+TAKEOVER_RECORDS = 64  # `/admin/stats` `recent_takeovers`: enough for a switch that moves a full batch
 
 
 class InstanceRuntime:
@@ -47,6 +50,8 @@ class InstanceRuntime:
         # was pulled (seconds from the switch's start; None while one is pending).
         self.last_switch: dict[str, Any] = {}
         self.parked_at: float | None = None  # when a switch last parked its decodes (time.time())
+        # The last decodes that moved here mid-stream, each hop's moments (worker/takeover.py).
+        self.takeovers: deque[dict[str, Any]] = deque(maxlen=TAKEOVER_RECORDS)
         self._handover_task: asyncio.Task[None] | None = None
         self.moving_out: asyncio.Task[None] | None = None  # a live switch's decodes leaving (live_switch.py)
         # Migration services (and their transfer agents) of caches a switch dropped while
@@ -368,6 +373,7 @@ class InstanceRuntime:
                                 "status": self.status, "inflight": self.inflight,
                                 "leases_outstanding": self.leases_outstanding(),
                                 "last_switch": dict(self.last_switch),
+                                "recent_takeovers": [dict(r) for r in self.takeovers],
                                 "transport": self.transport,
                                 "transfer_bytes": dict(self.transfer_bytes)}
         if self.engine is not None:

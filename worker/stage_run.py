@@ -37,6 +37,7 @@ from triptych.worker.engine.request import PrefilledKV, Request, RequestOutput, 
 from triptych.worker.errors import NotServingError, engine_failure_status, http_status
 
 __all__ = ["engine_failure_status", "events_for", "prepare", "stream"]
+from triptych.worker import takeover
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import observe_stages
 from triptych.worker.migration import MigrationService
@@ -271,6 +272,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
     # Tokens sampled (and streamed) before this instance: P's first token, and a migrated
     # decode's earlier tokens.
     skip = 1 + len(req.prefilled.generated) if req.prefilled is not None else 0
+    awaiting_first = sreq.stages == [Stage.DECODE]  # a decode hop: its first token ends a takeover's hop
     inst.inflight += 1
     try:
         async for batch in engine.generate_batches(req, timeout_s=sreq.timeout_s):
@@ -283,6 +285,9 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
                 skip = max(0, skip - len(out.new_token_ids))
                 if out.finished and out.timings:
                     observe_stages(engine.role.value, set(sreq.stages), out.timings)
+            if awaiting_first and any(isinstance(e, TokensEvent) for e in events):
+                awaiting_first = False
+                takeover.first_token(inst, sreq.request_id)
             yield b"".join(_line(event) for event in merge_tokens(events))
     except RequestValidationError as exc:
         yield _line(ErrorEvent(status=http_status(exc), message=str(exc)))

@@ -13,12 +13,17 @@ al., "Live Migration of Virtual Machines", NSDI '05 §3: pre-copy, then stop-and
 
 Nothing is held between the two: pre-copied blocks sit unreferenced in the prefix cache
 (evictable), so a hand-over that never comes leaks nothing.
+
+Each takeover's moments (wall clock: opened, pre-copied, handed over, first token out) are
+kept for the last `TAKEOVER_RECORDS` in `/admin/stats` `recent_takeovers`; `bench switch`
+lines them up with the source's park and the client's tokens (where a hop's time goes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
@@ -47,7 +52,11 @@ async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRe
         raise BadPayloadError(f"takeover: no valid stage request first: {exc}") from exc
     if sreq.kv_source is None or sreq.stages != [Stage.DECODE]:
         raise BadPayloadError("takeover: a decode hop with the pre-copied blocks as kv_source comes first")
+    moments = {"request_id": sreq.request_id, "opened_at": time.time(), "precopied_at": None,
+               "handed_over_at": None, "first_token_at": None}
+    inst.takeovers.append(moments)
     await _precopy(inst, sreq, sreq.kv_source)
+    moments["precopied_at"] = time.time()
     try:
         async with asyncio.timeout(sreq.timeout_s):
             tail = KVSource.model_validate_json(await anext(lines))
@@ -55,7 +64,16 @@ async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRe
         raise NoHandOverError(f"takeover of {sreq.request_id}: no hand-over came") from exc
     except ValidationError as exc:
         raise BadPayloadError(f"takeover: the hand-over is no KV source: {exc}") from exc
+    moments["handed_over_at"] = time.time()
     return sreq.model_copy(update={"kv_source": tail})
+
+
+def first_token(inst: InstanceRuntime, request_id: str) -> None:
+    """The decode's first token here left for the router: the last of its hop's moments."""
+    for moments in reversed(inst.takeovers):
+        if moments["request_id"] == request_id:
+            moments["first_token_at"] = moments["first_token_at"] or time.time()
+            return
 
 
 async def _precopy(inst: InstanceRuntime, sreq: StageRequest, kv: KVSource) -> None:

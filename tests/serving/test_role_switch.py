@@ -156,6 +156,13 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     assert set(last["moved_tokens"]) == set(last["migrated_ids"]), last
     assert all(2 <= n < 300 for n in last["moved_tokens"].values()), last
     assert _migrated_in(dep) - taken_over == len(last["migrated_ids"])  # the other D went on with each
+    # Each went on through the takeover its pre-copy opened: the target's moments, in order.
+    moments = {r["request_id"].split(".")[0]: r for st in servekit.stats_of(dep).values()
+               for r in st.get("recent_takeovers", [])}
+    for moved in last["migrated_ids"]:
+        m = moments[moved.split(".")[0]]
+        assert m["opened_at"] <= m["precopied_at"] <= m["handed_over_at"] <= m["first_token_at"], m
+        assert last["parked_at"] <= m["handed_over_at"], (last, m)
     time.sleep(1.5)  # the router sees the new role at its next poll
     cases = _cases(8, seed_base=3200)
     results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch(dep, d["instance_id"], "D")))

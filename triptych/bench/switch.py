@@ -26,7 +26,10 @@ had streamed when it moved) less one TPOT, in TPOTs (the largest over the moved 
 `hop net` is the same less, instead of one TPOT, the pause the streams that did not move had
 at that moment where it is longer (their median gap spanning the hop's middle): on shared cores every stream
 stalls together at times (the router relays nothing for tens of ms while the workers run),
-and `hop net` is what the hop added beyond such a stall. `hand-over ms`: from the switch's start until the
+and `hop net` is what the hop added beyond such a stall. `hop ms` splits a moved stream's hop
+(the median over the moved streams, ms): from the source's park until the target read the
+hand-over, until the target's first token left, until the client had it (`hop_parts`; the
+targets' `/admin/stats` `recent_takeovers`). `hand-over ms`: from the switch's start until the
 last decode it parked was pulled by its new instance (`last_switch.handover_s`; a P <-> D
 switch answers before its decodes are even parked).
 """
@@ -154,6 +157,52 @@ def _max_hop_gap(results: list[RequestResult], moved_tokens: dict[str, int],
     return round(max(hops), 2) if hops else None
 
 
+HOP_PARTS = ("park_to_handover", "handover_to_first_token", "first_token_to_client")
+
+
+def hop_parts(parked_at: float | None, moments: dict[str, Any], client_first: float) -> dict[str, float] | None:
+    """Where one moved stream's hop went, in seconds (all wall clock, `time.time()`): from
+    the source's park (`last_switch.parked_at`) until the target read the hand-over (the
+    source's step in flight, its `migrating` event, the router), until the target's first
+    token left (the pull of the last blocks, its step in flight, the step the decode joined:
+    the target's `recent_takeovers` moments), until the client had it (the router's relay).
+    None without every moment."""
+    handed, first = moments.get("handed_over_at"), moments.get("first_token_at")
+    if parked_at is None or handed is None or first is None:
+        return None
+    return {"park_to_handover": handed - parked_at, "handover_to_first_token": first - handed,
+            "first_token_to_client": client_first - first}
+
+
+def hop_breakdown(results: list[RequestResult], moved_tokens: dict[str, int], parked_at: float | None,
+                  takeovers: dict[str, dict[str, Any]], wall_minus_perf: float) -> dict[str, float] | None:
+    """`hop_parts`' median over the moved streams (by the router's request id in
+    `moved_tokens` and `takeovers`); `wall_minus_perf` turns the client's
+    `time.perf_counter()` arrivals into wall clock."""
+    parts: dict[str, list[float]] = {k: [] for k in HOP_PARTS}
+    for r in results:
+        span = hop_span(r, moved_tokens[r.request_id]) if r.ok and r.request_id in moved_tokens else None
+        got = hop_parts(parked_at, takeovers.get(r.request_id, {}), span[1] + wall_minus_perf) if span else None
+        for k, v in (got or {}).items():
+            parts[k].append(v)
+    if not parts[HOP_PARTS[0]]:
+        return None
+    return {k: round(sorted(v)[len(v) // 2], 6) for k, v in parts.items()}
+
+
+def _takeovers(client: httpx.Client, dep: Any) -> dict[str, dict[str, Any]]:
+    """Every instance's `recent_takeovers`, by the router's request id (a takeover runs as
+    `<id>.tN`); the latest of a request's."""
+    out: dict[str, dict[str, Any]] = {}
+    for inst in _instances(client, dep):
+        stats = client.get(f"{inst['url']}/admin/stats", headers=dep.admin_headers, timeout=10).json()
+        for moments in stats.get("recent_takeovers", []):
+            rid = moments["request_id"].split(".")[0]
+            if rid not in out or (moments.get("opened_at") or 0) > (out[rid].get("opened_at") or 0):
+                out[rid] = moments
+    return out
+
+
 def _max_added(results: list[RequestResult], since: float | None) -> float | None:
     added = [a for a in (added_gaps(r, since) for r in results if r.ok) if a is not None]
     return round(max(added), 2) if added else None
@@ -218,6 +267,9 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                    "migrated_added_gaps": _max_added(migrated_results, since),
                    "hop_added_gaps": _max_hop_gap(migrated_results, moved_tokens),
                    "hop_net_gaps": _max_hop_gap(migrated_results, moved_tokens, others),
+                   "hop_ms": None if not moved else hop_breakdown(
+                       migrated_results, moved_tokens, last.get("parked_at"), _takeovers(client, dep),
+                       time.time() - time.perf_counter()),
                    "others_added_gaps": _max_added(others, since)}
             progress(f"  {label} ({'loaded' if loaded else 'idle'}): total {report['total_s'] * 1000:.1f} ms, "
                      f"migrated {report['migrated']}, failed {len(failed)}")
@@ -268,7 +320,8 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "hand-over ms",
-            "handed back", "failed", "hop gaps", "hop net", "migrated gaps", "others' gaps", "max added gaps")
+            "handed back", "failed", "hop gaps", "hop net", "hop ms: hand-over/token/client", "migrated gaps",
+            "others' gaps", "max added gaps")
     rows = [head]
     for r in report["switches"]:
         rows.append((r["switch"], "streams" if r["loaded"] else "idle", fmt(r.get("precopy_s"), 1000, 1),
@@ -277,6 +330,7 @@ def format_table(report: dict[str, Any]) -> str:
                      str(r["migrated"]), fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
                      str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
                      fmt(r["hop_added_gaps"], 1, 2), fmt(r.get("hop_net_gaps"), 1, 2),
+                     "/".join(fmt(r["hop_ms"][k], 1000, 1) for k in HOP_PARTS) if r.get("hop_ms") else "-",
                      fmt(r["migrated_added_gaps"], 1, 2),
                      fmt(r["others_added_gaps"], 1, 2),
                      fmt(r["max_added_gaps"], 1, 2)))
