@@ -273,6 +273,8 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
     # decode's earlier tokens.
     skip = 1 + len(req.prefilled.generated) if req.prefilled is not None else 0
     awaiting_first = sreq.stages == [Stage.DECODE]  # a decode hop: its first token ends a takeover's hop
+    if awaiting_first:
+        takeover.mark(inst, sreq.request_id, "admitted_at")
     inst.inflight += 1
     try:
         async for batch in engine.generate_batches(req, timeout_s=sreq.timeout_s):
@@ -287,7 +289,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
                     observe_stages(engine.role.value, set(sreq.stages), out.timings)
             if awaiting_first and any(isinstance(e, TokensEvent) for e in events):
                 awaiting_first = False
-                takeover.first_token(inst, sreq.request_id)
+                takeover.mark(inst, sreq.request_id, "first_token_at")
             yield b"".join(_line(event) for event in merge_tokens(events))
     except RequestValidationError as exc:
         yield _line(ErrorEvent(status=http_status(exc), message=str(exc)))

@@ -14,7 +14,8 @@ al., "Live Migration of Virtual Machines", NSDI '05 §3: pre-copy, then stop-and
 Nothing is held between the two: pre-copied blocks sit unreferenced in the prefix cache
 (evictable), so a hand-over that never comes leaks nothing.
 
-Each takeover's moments (wall clock: opened, pre-copied, handed over, first token out) are
+Each takeover's moments (wall clock: opened, pre-copied, handed over, admitted to the engine
+with its KV pulled, first token out) are
 kept for the last `TAKEOVER_RECORDS` in `/admin/stats` `recent_takeovers`; `bench switch`
 lines them up with the source's park and the client's tokens (where a hop's time goes).
 """
@@ -53,7 +54,7 @@ async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRe
     if sreq.kv_source is None or sreq.stages != [Stage.DECODE]:
         raise BadPayloadError("takeover: a decode hop with the pre-copied blocks as kv_source comes first")
     moments = {"request_id": sreq.request_id, "opened_at": time.time(), "precopied_at": None,
-               "handed_over_at": None, "first_token_at": None}
+               "handed_over_at": None, "admitted_at": None, "first_token_at": None}
     inst.takeovers.append(moments)
     await _precopy(inst, sreq, sreq.kv_source)
     moments["precopied_at"] = time.time()
@@ -68,11 +69,14 @@ async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRe
     return sreq.model_copy(update={"kv_source": tail})
 
 
-def first_token(inst: InstanceRuntime, request_id: str) -> None:
-    """The decode's first token here left for the router: the last of its hop's moments."""
+def mark(inst: InstanceRuntime, request_id: str, moment: str) -> None:
+    """A later moment of a takeover's hop, the first time it comes (`stage_run.stream`):
+    `admitted_at`, its KV pulled and the decode handed to the engine; `first_token_at`, its
+    first token here on the way to the router. Nothing for a decode hop that was no
+    takeover."""
     for moments in reversed(inst.takeovers):
         if moments["request_id"] == request_id:
-            moments["first_token_at"] = moments["first_token_at"] or time.time()
+            moments[moment] = moments.get(moment) or time.time()
             return
 
 

@@ -161,7 +161,7 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
                for r in st.get("recent_takeovers", [])}
     for moved in last["migrated_ids"]:
         m = moments[moved.split(".")[0]]
-        assert m["opened_at"] <= m["precopied_at"] <= m["handed_over_at"] <= m["first_token_at"], m
+        assert m["opened_at"] <= m["precopied_at"] <= m["handed_over_at"] <= m["admitted_at"] <= m["first_token_at"], m
         assert last["parked_at"] <= m["handed_over_at"], (last, m)
     time.sleep(1.5)  # the router sees the new role at its next poll
     cases = _cases(8, seed_base=3200)

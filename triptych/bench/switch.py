@@ -28,8 +28,8 @@ at that moment where it is longer (their median gap spanning the hop's middle): 
 stalls together at times (the router relays nothing for tens of ms while the workers run),
 and `hop net` is what the hop added beyond such a stall. `hop ms` splits a moved stream's hop
 (the median over the moved streams, ms): from the source's park until the target read the
-hand-over, until the target's first token left, until the client had it (`hop_parts`; the
-targets' `/admin/stats` `recent_takeovers`). `hand-over ms`: from the switch's start until the
+hand-over, until it handed the decode to its engine, until its first token left, until the
+client had it (`hop_parts`; the targets' `/admin/stats` `recent_takeovers`). `hand-over ms`: from the switch's start until the
 last decode it parked was pulled by its new instance (`last_switch.handover_s`; a P <-> D
 switch answers before its decodes are even parked).
 """
@@ -157,21 +157,21 @@ def _max_hop_gap(results: list[RequestResult], moved_tokens: dict[str, int],
     return round(max(hops), 2) if hops else None
 
 
-HOP_PARTS = ("park_to_handover", "handover_to_first_token", "first_token_to_client")
+HOP_PARTS = ("park_to_handover", "handover_to_admitted", "admitted_to_first_token", "first_token_to_client")
 
 
 def hop_parts(parked_at: float | None, moments: dict[str, Any], client_first: float) -> dict[str, float] | None:
     """Where one moved stream's hop went, in seconds (all wall clock, `time.time()`): from
     the source's park (`last_switch.parked_at`) until the target read the hand-over (the
-    source's step in flight, its `migrating` event, the router), until the target's first
-    token left (the pull of the last blocks, its step in flight, the step the decode joined:
-    the target's `recent_takeovers` moments), until the client had it (the router's relay).
-    None without every moment."""
-    handed, first = moments.get("handed_over_at"), moments.get("first_token_at")
-    if parked_at is None or handed is None or first is None:
+    source's step in flight, its `migrating` event, the router), until the target handed
+    the decode to its engine (the pull of the last blocks), until its first token left (the
+    target's step in flight, the step the decode joined; the target's `recent_takeovers`
+    moments), until the client had it (the router's relay). None without every moment."""
+    handed, admitted, first = (moments.get(k) for k in ("handed_over_at", "admitted_at", "first_token_at"))
+    if parked_at is None or handed is None or admitted is None or first is None:
         return None
-    return {"park_to_handover": handed - parked_at, "handover_to_first_token": first - handed,
-            "first_token_to_client": client_first - first}
+    return {"park_to_handover": handed - parked_at, "handover_to_admitted": admitted - handed,
+            "admitted_to_first_token": first - admitted, "first_token_to_client": client_first - first}
 
 
 def hop_breakdown(results: list[RequestResult], moved_tokens: dict[str, int], parked_at: float | None,
@@ -320,7 +320,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "hand-over ms",
-            "handed back", "failed", "hop gaps", "hop net", "hop ms: hand-over/token/client", "migrated gaps",
+            "handed back", "failed", "hop gaps", "hop net", "hop ms: hand-over/admit/token/client", "migrated gaps",
             "others' gaps", "max added gaps")
     rows = [head]
     for r in report["switches"]:
