@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -286,7 +287,8 @@ class MeasuredRun:
 
 def pooled(cals: list[Calibration]) -> Calibration:
     """Several deployments' calibrations as one: the medians of their medians, the mean CPU
-    per request, every lone request's spread (around its own deployment's median)."""
+    per request, every lone request's spread (around its own deployment's median), taken
+    from each deployment in turn."""
     if len(cals) == 1:
         return cals[0]
     kinds = {k for c in cals for k in c.cpu_s}
@@ -294,8 +296,14 @@ def pooled(cals: list[Calibration]) -> Calibration:
         ttft_s=statistics.median(c.ttft_s for c in cals), tpot_s=statistics.median(c.tpot_s for c in cals),
         burst_tpot_s=statistics.median(c.burst_tpot_s for c in cals), burst=cals[0].burst,
         cpu_s={k: statistics.mean(c.cpu_s[k] for c in cals if k in c.cpu_s) for k in sorted(kinds)},
-        template_tokens=cals[0].template_tokens, ttft_noise_s=[x for c in cals for x in c.ttft_noise_s],
-        tpot_noise=[x for c in cals for x in c.tpot_noise])
+        template_tokens=cals[0].template_tokens, ttft_noise_s=_interleaved([c.ttft_noise_s for c in cals]),
+        tpot_noise=_interleaved([c.tpot_noise for c in cals]))
+
+
+def _interleaved(lists: list[list[float]]) -> list[float]:
+    """One from each list in turn: a trace shorter than all of them together still draws
+    from every deployment's spread."""
+    return [x for group in itertools.zip_longest(*lists) for x in group if x is not None]
 
 
 def measured_cells(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -369,6 +377,7 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
                                "burst_tpot_s": cal.burst_tpot_s,
                                "lone_ttft_s": cal.ttft_s,
                                "lone_tpot_s": cal.tpot_s, "lone_instance_cpu_s": cal.cpu_s,
+                               "ttft_noise_s": fit.cfg.ttft_noise_s, "tpot_noise": fit.cfg.tpot_noise,
                                "load_avg_1m": max(r.load_avg_1m for r in runs)}
         for m in METRICS:
             row[f"simulated_{m}"] = getattr(sim, m)
