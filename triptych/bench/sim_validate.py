@@ -23,8 +23,9 @@ busy time per request per instance type from the instances' CPU
 With `--lone-noise` (the default) each simulated request then gets, in turn, one lone
 request's spread around their median (`SimConfig.ttft_noise_s`, `tpot_noise`): the
 simulator's steps are deterministic, so without it a light load's p90 equals its p50,
-while a capped instance's requests land at any phase of the quota's period (lone TTFTs of
-one deployment 23-71 ms at 0.25 CPU, 14-21 ms uncapped). What the loaded runs then
+while a capped instance's requests land at any phase of the quota's period (a 1EP1D
+deployment at 0.25 CPU and a 10 ms period: TTFTs 23-71 ms at 1.5 req/s; with the kernel's
+100 ms period, where a request's work fits in one period's budget, 14-21 ms). What the loaded runs then
 validate is the simulator's batching and queueing. `--no-fit-overheads` compares the
 raw profile.
 """
