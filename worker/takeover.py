@@ -15,9 +15,9 @@ Nothing is held between the two: pre-copied blocks sit unreferenced in the prefi
 (evictable), so a hand-over that never comes leaks nothing.
 
 Each takeover's moments (wall clock: opened, pre-copied, handed over, admitted to the engine
-with its KV pulled, first token out) are
-kept for the last `TAKEOVER_RECORDS` in `/admin/stats` `recent_takeovers`; `bench switch`
-lines them up with the source's park and the client's tokens (where a hop's time goes).
+with its KV pulled, first token out) are kept for the last `TAKEOVER_RECORDS` in
+`/admin/stats` `recent_takeovers`; `bench switch` lines them up with the source's park and
+the client's tokens (where a hop's time goes).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -135,16 +135,23 @@ def hop_gap(result: RequestResult, moved_tokens: int, concurrent: float = 0.0) -
     return (span[1] - span[0] - max(tpot, concurrent)) / tpot
 
 
+def _moved_spans(results: list[RequestResult], moved_tokens: dict[str, int]) -> Iterator[
+        tuple[RequestResult, tuple[float, float]]]:
+    """Each moved stream (by request id in `moved_tokens`) that got past its hop, with the
+    hop's span (`hop_span`)."""
+    for r in results:
+        span = hop_span(r, moved_tokens[r.request_id]) if r.ok and r.request_id in moved_tokens else None
+        if span is not None:
+            yield r, span
+
+
 def _max_hop_gap(results: list[RequestResult], moved_tokens: dict[str, int],
                  others: list[RequestResult] | None = None) -> float | None:
     """The largest hop gap over the moved streams (`moved_tokens`: the tokens each had when
     it moved, by request id); with `others` (the streams that did not move), each net of
     their median pause in the middle of that hop (`hop_gap`'s `concurrent`)."""
     hops = []
-    for r in results:
-        span = hop_span(r, moved_tokens[r.request_id]) if r.ok and r.request_id in moved_tokens else None
-        if span is None:
-            continue
+    for r, span in _moved_spans(results, moved_tokens):
         concurrent = 0.0
         if others is not None:
             paused = sorted(g for g in (gap_at(o, (span[0] + span[1]) / 2) for o in others if o.ok) if g is not None)
@@ -180,9 +187,8 @@ def hop_breakdown(results: list[RequestResult], moved_tokens: dict[str, int], pa
     `moved_tokens` and `takeovers`); `wall_minus_perf` turns the client's
     `time.perf_counter()` arrivals into wall clock."""
     parts: dict[str, list[float]] = {k: [] for k in HOP_PARTS}
-    for r in results:
-        span = hop_span(r, moved_tokens[r.request_id]) if r.ok and r.request_id in moved_tokens else None
-        got = hop_parts(parked_at, takeovers.get(r.request_id, {}), span[1] + wall_minus_perf) if span else None
+    for r, span in _moved_spans(results, moved_tokens):
+        got = hop_parts(parked_at, takeovers.get(r.request_id, {}), span[1] + wall_minus_perf)
         for k, v in (got or {}).items():
             parts[k].append(v)
     if not parts[HOP_PARTS[0]]:
