@@ -14,6 +14,7 @@ from dataclasses import replace
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
 from triptych.router.orchestrator_config import Footprint, OrchestratorConfig, hop_deadline
 from triptych.router.overhead import WaitClock
+from triptych.router.overlap import Overlap
 from triptych.router.registry import Instance, Registry
 from triptych.router.relay import Relay
 from triptych.router.routing import Chooser, Decision
@@ -23,6 +24,7 @@ from triptych.router.takeover import Takeover
 from triptych.stage_protocol import (
     FinishedEvent,
     KVSource,
+    MigratingEvent,
     MMItemSpec,
     PrecopyEvent,
     StageEvent,
@@ -87,11 +89,15 @@ class DecodeChain:
         refused: set[str] = set()  # 503s: passed over, tried again once nothing else takes it
         target, request_id, attempt = first, req.request_id, 0
         deadline = asyncio.get_running_loop().time() + self.config.decode_wait_s
+        taken: Takeover | None = None  # a takeover that took over during a live hand-over's overlap
         try:
             while True:
                 attempt += 1
                 current: Takeover | None = None  # this hop, when its pre-copy opened it
-                if target is None:
+                if target is None and taken is not None:
+                    current, taken = taken, None
+                    target, request_id = current.target, current.request_id
+                elif target is None:
                     if takeover is not None and self._still_decodes(takeover.target, excluded | refused):
                         current, takeover = takeover, None
                         target, request_id = current.target, current.request_id
@@ -114,6 +120,25 @@ class DecodeChain:
                             if isinstance(event, PrecopyEvent):
                                 takeover = self.takeover(req, event, mm_items, excluded | {target.url}, footprint,
                                                           takeover)
+                            elif isinstance(event, MigratingEvent) and event.live and takeover is not None \
+                                    and self._still_decodes(takeover.target, excluded | refused | {target.url}):
+                                # Make-before-break (router/overlap.py): the source goes on while
+                                # the target pulls and follows; the stream waits for the cut alone.
+                                takeover.hand_over(event.kv, live=True)
+                                overlap = Overlap(target, takeover, event.kv)
+                                async for token_event in overlap.run(events):
+                                    yield token_event
+                                if overlap.finished is not None:
+                                    assert overlap.finished_by is not None
+                                    yield finished(overlap.finished_by, overlap.finished, Stage.DECODE)
+                                    return
+                                taken, takeover = takeover, None
+                                self.decide(Stage.DECODE, "overlapped")
+                                # Closing its stream stops the source once its instance sees the
+                                # connection end; the abort stops it at its next step.
+                                self.stages.abort_later([target.url], [request_id], self.config.abort_timeout_s)
+                                relay.tokens(event)
+                                break  # the source is closed: it stops there
                             elif isinstance(event, FinishedEvent):
                                 yield finished(target, event, Stage.DECODE)
                                 if relay.finish():
@@ -152,8 +177,9 @@ class DecodeChain:
                         current.close()  # done, or its reader left: the connection goes
                 target = None
         finally:
-            if takeover is not None:  # opened by a pre-copy, never handed over
-                takeover.close()
+            for unused in (takeover, taken):  # opened by a pre-copy, never (or not yet) read from
+                if unused is not None:
+                    unused.close()
 
     def _decode_hop(self, target: Instance, request_id: str, req: GenerationRequest, kv: KVSource,
                     mm_items: list[MMItemSpec], footprint: Footprint) -> AsyncIterator[StageEvent]:

@@ -1,8 +1,9 @@
 """The orchestrator's Prometheus metrics: routing decisions, hop times, instance gauges.
 
 `triptych_frontend_routing_decisions_total{stage, policy, outcome}` counts instance
-choices (chosen by policy, kept local, placed by cache affinity, retried elsewhere, or
-refused: no instance, overloaded); `triptych_frontend_hop_seconds{stages, outcome}` times
+choices (chosen by policy, kept local, placed by cache affinity, retried elsewhere,
+`overlapped`: a decode moved make-before-break, its next instance taking over from a
+stream that never paused (router/overlap.py), or refused: no instance, overloaded); `triptych_frontend_hop_seconds{stages, outcome}` times
 each stage call; `triptych_frontend_instance_{load,ready}{instance, role}` mirror the
 registry at scrape time; `triptych_frontend_hop_phase_seconds{phase}` splits a hop (connect,
 headers, first event) and `triptych_frontend_worker_connections_opened_total` counts new

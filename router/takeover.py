@@ -10,6 +10,11 @@ the instance pulls them while the source goes on), and the hand-over of the `mig
 event once the source stops the decode. The stop-and-copy then costs one line on an open
 connection and a pull of the last, partial block(s) — not a new hop and all of the KV.
 
+A source that hands the decode over live (`MigratingEvent.live`: make-before-break) keeps
+decoding; `feed` then sends its tokens to the target (`POST /internal/feed`, one call at a
+time: tokens that come meanwhile go together), which follows them until `lead` cuts over
+(router/overlap.py).
+
 A takeover that is never handed over (the decode finished at its source, the client went
 away, or the chosen instance no longer takes decodes) is closed: its connection drops and
 the instance lets go (pre-copied blocks sit evictable in its prefix cache; nothing leaks).
@@ -21,12 +26,16 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+import httpx
+
 from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageClient, StageFailure
-from triptych.stage_protocol import KVSource, StageEvent, StageRequest
+from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent, StageRequest
 
 log = logging.getLogger("triptych.router.takeover")
+
+FEED_TIMEOUT_S = 2.0  # one feed call; a target that did not take a feed is never cut over to
 
 _END = object()
 
@@ -39,16 +48,23 @@ class Takeover:
     def __init__(self, stages: StageClient, target: Instance, sreq: StageRequest, read_timeout_s: float,
                  waits: WaitClock) -> None:
         self.target, self.request_id = target, sreq.request_id
-        self._tail: asyncio.Future[KVSource] = asyncio.get_running_loop().create_future()
+        self._tail: asyncio.Future[HandOver] = asyncio.get_running_loop().create_future()
         self._tail_sent = False
         self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._client = stages.client
+        self._fed: list[int] = []  # tokens to feed, from output index `_fed_start`
+        self._fed_start = 0
+        self._feeder: asyncio.Task[None] | None = None
+        self._lead = False
+        self.feed_failed = False  # a feed the target did not take: it cannot lead (overlap.py)
         first = sreq.model_dump_json().encode() + b"\n"
         self._task = asyncio.create_task(self._run(stages, sreq, read_timeout_s, waits, first))
 
-    def hand_over(self, kv: KVSource) -> None:
-        """The source stopped the decode: send its hand-over on the open connection."""
+    def hand_over(self, kv: KVSource, live: bool = False) -> None:
+        """Send the decode's hand-over on the open connection: the source stopped the
+        decode, or (`live`) goes on with it until `lead` (router/overlap.py)."""
         if not self._tail.done():
-            self._tail.set_result(kv)
+            self._tail.set_result(HandOver(**kv.model_dump(), live=live))
 
     async def events(self) -> AsyncIterator[StageEvent]:
         while True:
@@ -59,16 +75,51 @@ class Takeover:
                 raise item
             yield item  # type: ignore[misc]
 
+    def feed(self, start: int, token_ids: list[int]) -> None:
+        """Tokens the source sampled after a live hand-over (output indices from `start`,
+        following those fed before) for the target to follow."""
+        if not self._fed:
+            self._fed_start = start
+        self._fed.extend(token_ids)
+        self._send()
+
+    def lead(self, length: int) -> None:
+        """The cut-over: the source is closed once it streamed `length` tokens; the target
+        samples from there (after every token fed before this)."""
+        if not self._fed:
+            self._fed_start = length
+        self._lead = True
+        self._send()
+
+    def _send(self) -> None:
+        if self._feeder is None or self._feeder.done():
+            self._feeder = asyncio.create_task(self._send_feeds())
+
+    async def _send_feeds(self) -> None:
+        """One call at a time, in order (the lead last): what came meanwhile goes together."""
+        while self._fed or self._lead:
+            body = FeedRequest(request_id=self.request_id, start=self._fed_start, token_ids=self._fed, lead=self._lead)
+            self._fed_start, self._fed, self._lead = self._fed_start + len(self._fed), [], False
+            try:
+                resp = await self._client.post(f"{self.target.url}/internal/feed", content=body.model_dump_json(),
+                                               headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
+                resp.raise_for_status()
+            except httpx.HTTPError as exc:
+                log.info("feed of %s to %s failed: %s", self.request_id, self.target.url, exc)
+                self.feed_failed = True
+
     def close(self) -> None:
         """Drop the hop (unused, or its reader gone): the instance sees the connection end."""
         self._task.cancel()
+        if self._feeder is not None:
+            self._feeder.cancel()
         if not self._tail.done():
             self._tail.cancel()
 
     async def _body(self, first: bytes) -> AsyncIterator[bytes]:
         yield first
-        kv = await self._tail
-        yield kv.model_dump_json().encode() + b"\n"
+        hand_over = await self._tail
+        yield hand_over.model_dump_json().encode() + b"\n"
         self._tail_sent = True
 
     async def _run(self, stages: StageClient, sreq: StageRequest, read_timeout_s: float, waits: WaitClock,

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Annotated, Any, Literal
 
 import msgspec
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from triptych.sampling_params import SamplingParams
 from triptych.topology import Stage
@@ -301,6 +301,9 @@ class TokensEvent(BaseModel):
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     index: int = 0  # the choice (n > 1)
+    # The output index of token_ids[0]: sent by a decode fed its source's tokens (a
+    # make-before-break migration, FeedRequest), whose tokens the router merges by index.
+    start: int | None = Field(default=None, ge=0)
 
 
 class PrefilledEvent(BaseModel):
@@ -316,6 +319,38 @@ class MigratingEvent(BaseModel):
     type: Literal["migrating"] = "migrating"
     kv: KVSource
     index: int = 0  # the choice (n > 1)
+    # Make-before-break: the instance goes on decoding the stream (its tokens keep coming
+    # here) until the router closes it; the router feeds those tokens to the decode's next
+    # instance (FeedRequest) and closes this stream once that instance streams a token of
+    # its own. A router that cannot merge two streams closes it at once.
+    live: bool = False
+
+
+class FeedRequest(BaseModel):
+    """`POST /internal/feed`: output tokens a migrated decode's source sampled after its
+    live hand-over (`MigratingEvent.live`), for the decode's takeover on this instance to
+    follow (worker/engine/token_feed.py). Keyed by output index: repeats are no-ops.
+    `lead`: the router cut over (the source is closed): the decode samples once it holds
+    start + len(token_ids) tokens."""
+
+    request_id: str
+    start: int = Field(ge=0)  # the output index of token_ids[0]
+    token_ids: list[int] = Field(default=[], max_length=4096)
+    lead: bool = False
+
+    @model_validator(mode="after")
+    def _tokens_or_lead(self) -> FeedRequest:
+        if not self.token_ids and not self.lead:
+            raise ValueError("a feed carries tokens, or the lead")
+        return self
+
+
+class HandOver(KVSource):
+    """A takeover's second line (router/takeover.py): the decode's KV as its source handed
+    it over; `live`: the source goes on decoding (make-before-break), and the takeover
+    follows the tokens it is fed until the router cuts over (`FeedRequest.lead`)."""
+
+    live: bool = False
 
 
 class PrecopyEvent(BaseModel):
@@ -365,7 +400,15 @@ class _TokensWire(msgspec.Struct, tag="tokens", tag_field="type"):
     index: int = 0
 
 
-_TOKENS_DECODER = msgspec.json.Decoder(_TokensWire)
+class _FedTokensWire(msgspec.Struct, tag="tokens", tag_field="type"):
+    """Any tokens line as read; as written, a fed decode's (`start` set: TokensEvent.start)."""
+
+    token_ids: list[int]
+    index: int = 0
+    start: int | None = None
+
+
+_TOKENS_DECODER = msgspec.json.Decoder(_FedTokensWire)
 _ENCODER = msgspec.json.Encoder()
 _TOKENS_PREFIX = b'{"type":"tokens"'
 
@@ -373,7 +416,9 @@ _TOKENS_PREFIX = b'{"type":"tokens"'
 def encode_stage_event(event: BaseModel) -> bytes:
     """One event as its NDJSON line (newline included)."""
     if isinstance(event, TokensEvent) and event.logprobs is None:
-        return _ENCODER.encode(_TokensWire(token_ids=event.token_ids, index=event.index)) + b"\n"
+        if event.start is None:
+            return _ENCODER.encode(_TokensWire(token_ids=event.token_ids, index=event.index)) + b"\n"
+        return _ENCODER.encode(_FedTokensWire(token_ids=event.token_ids, index=event.index, start=event.start)) + b"\n"
     return event.model_dump_json().encode() + b"\n"
 
 
@@ -386,7 +431,10 @@ def parse_stage_event(line: str | bytes) -> StageEvent:
         except msgspec.DecodeError:
             pass  # pydantic below says what is wrong, as a ValidationError
         else:  # validated by msgspec: skip pydantic's second pass
-            return TokensEvent.model_construct(token_ids=wire.token_ids, index=wire.index, logprobs=None)
+            if wire.start is not None and wire.start < 0:
+                return STAGE_EVENT.validate_json(raw)  # pydantic says what is wrong
+            return TokensEvent.model_construct(token_ids=wire.token_ids, index=wire.index, logprobs=None,
+                                               start=wire.start)
     return STAGE_EVENT.validate_json(raw)
 
 

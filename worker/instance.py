@@ -14,6 +14,7 @@ from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
 from triptych.worker.engine.role_change import keeps_handovers, preload_parts, same_parts
+from triptych.worker.engine.token_feed import TokenFeed
 from triptych.worker.live_switch import await_moved_out, switch_live
 from triptych.worker.migration import MigrationService
 from triptych.worker.settings import WorkerSettings
@@ -52,6 +53,8 @@ class InstanceRuntime:
         self.parked_at: float | None = None  # when a switch last parked its decodes (time.time())
         # The last decodes that moved here mid-stream, each hop's moments (worker/takeover.py).
         self.takeovers: deque[dict[str, Any]] = deque(maxlen=TAKEOVER_RECORDS)
+        # Takeovers here being fed their source's tokens, by request id (until their runs end).
+        self.feeds: dict[str, TokenFeed] = {}
         self._handover_task: asyncio.Task[None] | None = None
         self.moving_out: asyncio.Task[None] | None = None  # a live switch's decodes leaving (live_switch.py)
         # Migration services (and their transfer agents) of caches a switch dropped while
@@ -121,6 +124,7 @@ class InstanceRuntime:
                     moved = await self._migrate(keep_parked)
                     migrated = time.monotonic()
                     streamed = {i: self.engine.output.moved_out[i] for i in moved if i in self.engine.output.moved_out}
+                    released = {i: self.engine.output.released[i] for i in moved if i in self.engine.output.released}
                     pending = self.engine.parked_ids()
                     preloaded, preload_s = await preload
                 finally:
@@ -131,6 +135,7 @@ class InstanceRuntime:
                 after = self.engine.scheduler.counters.as_dict()
                 self.role = role
                 self._follow_handover(pending, moved, streamed, started, migrated)
+                self.last_switch["released_tokens"] = released
                 log.info("instance %s now serves role %s (in place)", self.settings.instance_id, role)
                 # onload_s: the wait for the preload to end (past the migrate phase) and the swap.
                 return {**_report(offloaded - started - precopy_s, migrated - offloaded, time.monotonic() - migrated,
@@ -207,7 +212,7 @@ class InstanceRuntime:
         moved: set[str] = set()
 
         def busy() -> bool:
-            moved.update(engine.parked_ids(Stage.DECODE))
+            moved.update(engine.parked_ids(Stage.DECODE), engine.live_handovers())
             held = engine.request_ids(parked=not keep_parked)
             return bool(held or self.inflight or self.preparing or (not keep_parked and self.leases_outstanding()))
 

@@ -9,7 +9,8 @@ decode is taken). The switch replies then. The old role's decodes keep decoding 
 their next instance pulls their full KV blocks; once every pre-copy is confirmed or
 `precopy_timeout_s` passed they are parked at the next step boundary and handed over
 (`move_out`), and `/admin/stats` `last_switch` records `precopy_s`, `handover_s` and
-`migrated_ids` when that is done. A second switch of the same instance waits for this one's
+`migrated_ids` when that is done (with `released_tokens`, for decodes handed over live:
+the tokens each had here when its stream let go). A second switch of the same instance waits for this one's
 decodes to have moved out (`await_moved_out`) and reports that wait as `waited_s`.
 """
 
@@ -102,9 +103,12 @@ async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], st
         record["parked_at"] = time.time()  # wall clock: a client finds its stream's hop by it
         engine.park_decodes()
         left = set(leaving)
-        if not await wait_for(lambda: not current() or not left & set(engine.request_ids(parked=False)),
-                              s.drain_timeout_s, 0.002):
-            for request_id in left & set(engine.request_ids(parked=False)):
+
+        def staying() -> set[str]:  # neither parked nor handed over live (those go on until let go)
+            return left & set(engine.request_ids(parked=False)) - engine.live_handovers()
+
+        if not await wait_for(lambda: not current() or not staying(), s.drain_timeout_s, 0.002):
+            for request_id in staying():
                 log.warning("switch: aborting decode %s that did not park in time", request_id)
                 inst.abort(request_id)
         moved = set(engine.output.moved_out) & left
@@ -115,6 +119,7 @@ async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], st
                        s.lease_seconds + s.drain_timeout_s, 0.002)
         record["handover_s"] = round(time.monotonic() - started, 6)
         record["handover_pending"] = len(moved & set(engine.request_ids()))
+        record["released_tokens"] = {i: engine.output.released[i] for i in moved if i in engine.output.released}
     finally:
         if current() and not inst.draining:
             engine.migrating_out = False  # the new role's own decodes (if any) stay here

@@ -31,6 +31,7 @@ from starlette.requests import ClientDisconnect
 from triptych.stage_protocol import (
     STAGE_FRAME_TYPE,
     WORKER_KEEPALIVE_TIMEOUT_S,
+    FeedRequest,
     RoleSwitch,
     StageFrameError,
     StageRequest,
@@ -161,7 +162,15 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
             sreq = await takeover.receive(inst, ndjson_lines(http.stream()))
         except (BadPayloadError, ClientDisconnect) as exc:
             return _error(400, f"takeover: {exc}")
-        return await _start(sreq)
+        response = await _start(sreq)
+        if not isinstance(response, StreamingResponse):  # refused: no run will take its feed
+            inst.feeds.pop(sreq.request_id, None)
+        return response
+
+    @app.post("/internal/feed")
+    async def feed(body: FeedRequest) -> Response:
+        # Tokens a takeover's source sampled after a live hand-over (worker/takeover.py).
+        return Response(status_code=204 if takeover.feed(inst, body) else 404)
 
     @app.post("/internal/abort/{request_id}")
     async def abort(request_id: str) -> dict[str, str]:

@@ -87,6 +87,11 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
                       images=images, stages=frozenset(sreq.stages), prefilled=prefilled,
                       grammar=sreq.grammar)
         req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
+        # Make-before-break (token_feed.py): a decode that both instances would sample the
+        # same way moves live; a takeover here is fed its source's tokens.
+        req.moves_live = Stage.DECODE in sreq.stages and sreq.sampling.n == 1 and (
+            sreq.sampling.greedy or sreq.sampling.seed is not None)
+        req.feed = inst.feeds.get(sreq.request_id)
         await _decode_videos(inst, sreq, req)
         await build_guide(engine, req)
         if pull is not None:
@@ -183,13 +188,14 @@ async def build_guide(engine: Any, req: Request) -> None:
     req.guide = await asyncio.to_thread(engine.admission.guides.matcher, req.grammar, replay)
 
 
-def _tokens_event(tokens: list[int], out: RequestOutput) -> TokensEvent:
+def _tokens_event(tokens: list[int], out: RequestOutput, req: Request | None = None) -> TokensEvent:
     """The new tokens, with their log-probs when the request asked for them. The engine
     computes log-probs only for tokens it sampled, so they line up with `tokens` (the
-    tokens of earlier instances are skipped)."""
+    tokens of earlier instances are skipped). A fed decode's tokens carry their index."""
     lps = out.logprobs[-len(tokens):] if out.logprobs else None
+    start = out.num_output_tokens - len(tokens) if req is not None and req.feed is not None else None
     return TokensEvent(token_ids=tokens, logprobs=[TokenLogprob.model_validate(e) for e in lps]
-                       if lps and len(lps) == len(tokens) else None)
+                       if lps and len(lps) == len(tokens) else None, start=start)
 
 
 def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutput, skip: int,
@@ -213,6 +219,12 @@ def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutp
             kv.choices = [ChoiceStart(token=t, logprob=TokenLogprob.model_validate(e) if e else None)
                           for t, e in req.choice_firsts]
         return [PrefilledEvent(kv=kv)]
+    if handoff is not None and handoff.stage == Stage.DECODE and handoff.held is not None:
+        # Handed over live (make-before-break): the lease owns the held references, and the
+        # decode's tokens keep coming on this stream until the router closes it.
+        tokens = out.new_token_ids[skip:]
+        return ([_tokens_event(tokens, out, req)] if tokens else []) + [
+            MigratingEvent(kv=migration.offer_precopy(sreq.request_id, handoff.held), live=True)]
     if handoff is not None and handoff.stage == Stage.DECODE:  # migrated out (role switch, drain)
         assert handoff.first_token is not None
         kv = migration.offer_kv(sreq.request_id, handoff.kv_block_ids, handoff.num_kv_tokens, handoff.first_token)
@@ -222,7 +234,7 @@ def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutp
     events: list[BaseModel] = []
     tokens = out.new_token_ids[skip:]
     if tokens:
-        events.append(_tokens_event(tokens, out))
+        events.append(_tokens_event(tokens, out, req))
     if out.finished:
         reason = out.finish_reason.value if out.finish_reason else "abort"
         events.append(FinishedEvent(finish_reason=reason, timings=out.timings or {}))
@@ -259,7 +271,8 @@ def merge_tokens(events: list[BaseModel]) -> list[BaseModel]:
                 and (last.logprobs is None) == (event.logprobs is None):
             merged[-1] = TokensEvent(token_ids=[*last.token_ids, *event.token_ids], index=event.index,
                                      logprobs=None if event.logprobs is None else [*(last.logprobs or []),
-                                                                                   *event.logprobs])
+                                                                                   *event.logprobs],
+                                     start=last.start)
         else:
             merged.append(event)
     return merged
@@ -270,21 +283,24 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
     engine, migration = inst.engine, inst.migration
     assert engine is not None and migration is not None
     # Tokens sampled (and streamed) before this instance: P's first token, and a migrated
-    # decode's earlier tokens.
-    skip = 1 + len(req.prefilled.generated) if req.prefilled is not None else 0
+    # decode's earlier tokens. By output index: tokens fed to a takeover (token_feed.py)
+    # join the request unseen by this stream.
+    streamed = 1 + len(req.prefilled.generated) if req.prefilled is not None else 0
     awaiting_first = sreq.stages == [Stage.DECODE]  # a decode hop: its first token ends a takeover's hop
     if awaiting_first:
         takeover.mark(inst, sreq.request_id, "admitted_at")
     inst.inflight += 1
     try:
+        if req.feed is not None:  # a live takeover, its KV pulled: the router may cut over now
+            yield _line(TokensEvent(token_ids=[], start=streamed))
         async for batch in engine.generate_batches(req, timeout_s=sreq.timeout_s):
             if reserved:  # the request now holds its own references to pulled embeddings
                 migration.release_embeddings(reserved)
                 reserved = []
             events: list[BaseModel] = []
             for out in batch:
+                skip = max(0, streamed - (out.num_output_tokens - len(out.new_token_ids)))
                 events += events_for(migration, sreq, out, skip, req, engine)
-                skip = max(0, skip - len(out.new_token_ids))
                 if out.finished and out.timings:
                     observe_stages(engine.role.value, set(sreq.stages), out.timings)
             if awaiting_first and any(isinstance(e, TokensEvent) for e in events):
@@ -298,3 +314,4 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
     finally:
         migration.release_embeddings(reserved)
         inst.inflight -= 1
+        inst.feeds.pop(sreq.request_id, None)

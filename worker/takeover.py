@@ -11,6 +11,11 @@ al., "Live Migration of Virtual Machines", NSDI '05 §3: pre-copy, then stop-and
    tokens so far), on the connection already open: the run then goes on as any decode
    hop, and its pull finds the pre-copied blocks cached and reads only the rest.
 
+A source that hands the decode over live (make-before-break, `MigratingEvent.live`, the
+hand-over's `live`) goes on decoding meanwhile; the router feeds its tokens here (`POST
+/internal/feed`, `feed`) and the decode follows them until the router cuts over
+(worker/engine/token_feed.py).
+
 Nothing is held between the two: pre-copied blocks sit unreferenced in the prefix cache
 (evictable), so a hand-over that never comes leaks nothing.
 
@@ -29,8 +34,9 @@ from collections.abc import AsyncIterator
 
 from pydantic import ValidationError
 
-from triptych.stage_protocol import KVSource, StageRequest
+from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageRequest
 from triptych.topology import Stage
+from triptych.worker.engine.token_feed import TokenFeed
 from triptych.worker.errors import BadPayloadError
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.migration import MigrationError
@@ -53,20 +59,47 @@ async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRe
         raise BadPayloadError(f"takeover: no valid stage request first: {exc}") from exc
     if sreq.kv_source is None or sreq.stages != [Stage.DECODE]:
         raise BadPayloadError("takeover: a decode hop with the pre-copied blocks as kv_source comes first")
+    inst.feeds[sreq.request_id] = TokenFeed()  # dropped when the run ends, or here on failure
+    try:
+        return await _receive(inst, sreq, lines)
+    except BaseException:
+        inst.feeds.pop(sreq.request_id, None)
+        raise
+
+
+async def _receive(inst: InstanceRuntime, sreq: StageRequest, lines: AsyncIterator[bytes]) -> StageRequest:
     moments = {"request_id": sreq.request_id, "opened_at": time.time(), "precopied_at": None,
-               "handed_over_at": None, "admitted_at": None, "first_token_at": None}
+               "handed_over_at": None, "admitted_at": None, "first_token_at": None, "fed_tokens": 0}
     inst.takeovers.append(moments)
     await _precopy(inst, sreq, sreq.kv_source)
     moments["precopied_at"] = time.time()
     try:
         async with asyncio.timeout(sreq.timeout_s):
-            tail = KVSource.model_validate_json(await anext(lines))
+            tail = HandOver.model_validate_json(await anext(lines))
     except (StopAsyncIteration, TimeoutError) as exc:
         raise NoHandOverError(f"takeover of {sreq.request_id}: no hand-over came") from exc
     except ValidationError as exc:
         raise BadPayloadError(f"takeover: the hand-over is no KV source: {exc}") from exc
     moments["handed_over_at"] = time.time()
-    return sreq.model_copy(update={"kv_source": tail})
+    if not tail.live:  # the source stopped the decode: nothing to follow
+        inst.feeds.pop(sreq.request_id, None)
+    return sreq.model_copy(update={"kv_source": KVSource.model_validate(tail.model_dump(exclude={"live"}))})
+
+
+def feed(inst: InstanceRuntime, body: FeedRequest) -> bool:
+    """Tokens the source of a takeover here sampled after its live hand-over: the decode
+    takes them at its next step. False when no takeover of that id runs here (it ended)."""
+    token_feed = inst.feeds.get(body.request_id)
+    if token_feed is None:
+        return False
+    token_feed.put(body.start, body.token_ids, body.lead)
+    for moments in reversed(inst.takeovers):
+        if moments["request_id"] == body.request_id:
+            moments["fed_tokens"] += len(body.token_ids)
+            break
+    if inst.engine is not None:
+        inst.engine.driver.wake()
+    return True
 
 
 def mark(inst: InstanceRuntime, request_id: str, moment: str) -> None:

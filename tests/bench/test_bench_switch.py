@@ -50,6 +50,19 @@ def test_the_hop_gap_runs_from_the_last_token_at_the_old_instance_to_the_first_a
     assert added_gaps(r, since=100.0) == pytest.approx(added_gaps(r))
 
 
+def test_a_live_hand_over_spans_the_overlap_until_its_source_let_go() -> None:
+    # Handed over live after 10 tokens, the source streamed on and let go at 14 tokens; the
+    # client's longest pause in that span (25 ms, before token 15) is the hop's cost.
+    times = [0.1 + 0.01 * i for i in range(14)] + [0.255 + 0.01 * i for i in range(6)]
+    r = _stream(times)
+    tpot = r.tpot
+    assert hop_span(r, 10, released=14) == pytest.approx((100.19, 100.255))
+    assert hop_gap(r, 10, released=14) == pytest.approx((0.025 - tpot) / tpot)
+    assert hop_gap(r, 10) == pytest.approx((0.01 - tpot) / tpot)  # the hand-over's own gap: none added
+    assert hop_span(r, 10, released=40) == pytest.approx((100.19, 100.305))  # up to the stream's end
+    assert _max_hop_gap([r], {"moved": 10}, {"moved": 14}) == round((0.025 - tpot) / tpot, 2)
+
+
 def test_the_net_hop_gap_discounts_a_stall_every_stream_had_at_the_hop() -> None:
     def stream(pause_after: int, pause_s: float, request_id: str = "other") -> RequestResult:
         times = [0.1 + 0.01 * i for i in range(pause_after)]
@@ -59,14 +72,14 @@ def test_the_net_hop_gap_discounts_a_stall_every_stream_had_at_the_hop() -> None
     moved = stream(10, 0.08, "moved")  # the hop: an 80 ms pause after its 10th token
     stalled = [stream(10, 0.05), stream(10, 0.06), stream(10, 0.01)]  # two others stalled too
     tpot = moved.tpot
-    assert _max_hop_gap([moved], {"moved": 10}) == round((0.08 - tpot) / tpot, 2)
+    assert _max_hop_gap([moved], {"moved": 10}, {}) == round((0.08 - tpot) / tpot, 2)
     # net of the others' median pause at that moment (50 ms), not of one TPOT
-    assert _max_hop_gap([moved], {"moved": 10}, stalled) == round((0.08 - 0.05) / tpot, 2)
+    assert _max_hop_gap([moved], {"moved": 10}, {}, stalled) == round((0.08 - 0.05) / tpot, 2)
     # others that paused less than a TPOT leave the plain hop gap
     calm = [stream(10, 0.001)] * 3
-    assert _max_hop_gap([moved], {"moved": 10}, calm) == _max_hop_gap([moved], {"moved": 10})
-    assert _max_hop_gap([moved], {"moved": 10}, []) is None  # nothing to compare with
-    assert _max_hop_gap([moved], {}) is None  # not among the moved ones
+    assert _max_hop_gap([moved], {"moved": 10}, {}, calm) == _max_hop_gap([moved], {"moved": 10}, {})
+    assert _max_hop_gap([moved], {"moved": 10}, {}, []) is None  # nothing to compare with
+    assert _max_hop_gap([moved], {}, {}) is None  # not among the moved ones
 
 
 def test_the_hop_splits_at_the_hand_over_and_the_targets_first_token() -> None:
@@ -84,12 +97,12 @@ def test_the_hop_splits_at_the_hand_over_and_the_targets_first_token() -> None:
     first_at_client = 100.0 + 0.24 + 900.0
     takeovers = {"a": {**moments, "handed_over_at": first_at_client - 0.02, "admitted_at": first_at_client - 0.018,
                        "first_token_at": first_at_client - 0.004}}
-    split = hop_breakdown([moved, lost, _stream(times, "c")], {"a": 10, "b": 10}, first_at_client - 0.03,
+    split = hop_breakdown([moved, lost, _stream(times, "c")], {"a": 10, "b": 10}, {}, first_at_client - 0.03,
                           takeovers, 900.0)
     assert split is not None and set(split) == set(HOP_PARTS)
     assert split == pytest.approx({"park_to_handover": 0.01, "handover_to_admitted": 0.002,
                                    "admitted_to_first_token": 0.014, "first_token_to_client": 0.004}, abs=1e-6)
-    assert hop_breakdown([lost], {"b": 10}, 1.0, takeovers, 900.0) is None
+    assert hop_breakdown([lost], {"b": 10}, {}, 1.0, takeovers, 900.0) is None
 
 
 @pytest.mark.slow

@@ -23,15 +23,17 @@ from triptych.stage_protocol import (
 WIRE = [
     (EncodedEvent(items=[EncodedItem(content_hash="h", num_tokens=4, handle={"lease": "l1"})]),
      '{"type":"encoded","items":[{"content_hash":"h","num_tokens":4,"handle":{"lease":"l1"}}]}'),
-    (TokensEvent(token_ids=[5, 6]), '{"type":"tokens","token_ids":[5,6],"logprobs":null,"index":0}'),
+    (TokensEvent(token_ids=[5, 6]), '{"type":"tokens","token_ids":[5,6],"logprobs":null,"index":0,"start":null}'),
+    (TokensEvent(token_ids=[5, 6], start=9), '{"type":"tokens","token_ids":[5,6],"logprobs":null,"index":0,"start":9}'),
     (TokensEvent(token_ids=[5], index=2, logprobs=[TokenLogprob(token=5, logprob=-0.5, top=[(5, -0.5), (1, -2.0)])]),
-     '{"type":"tokens","token_ids":[5],"logprobs":[{"token":5,"logprob":-0.5,"top":[[5,-0.5],[1,-2.0]]}],"index":2}'),
+     '{"type":"tokens","token_ids":[5],"logprobs":[{"token":5,"logprob":-0.5,"top":[[5,-0.5],[1,-2.0]]}],"index":2,'
+     '"start":null}'),
     (PrefilledEvent(kv=KVSource(handle={"blocks": [1]}, num_tokens=9, first_token=42)),
      '{"type":"prefilled","kv":{"handle":{"blocks":[1]},"num_tokens":9,"first_token":42,"generated":[],'
      '"first_logprob":null,"choices":[]}}'),
     (MigratingEvent(kv=KVSource(handle={"blocks": [1]}, num_tokens=11, first_token=42, generated=[7, 8])),
      '{"type":"migrating","kv":{"handle":{"blocks":[1]},"num_tokens":11,"first_token":42,"generated":[7,8],'
-     '"first_logprob":null,"choices":[]},"index":0}'),
+     '"first_logprob":null,"choices":[]},"index":0,"live":false}'),
     (FinishedEvent(finish_reason="stop", timings={"e2e": 0.5}),
      '{"type":"finished","finish_reason":"stop","timings":{"e2e":0.5},"index":0}'),
     (ErrorEvent(status=503, message="KV cache exhausted"),

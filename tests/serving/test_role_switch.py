@@ -155,11 +155,14 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     # Each moved with the tokens it had streamed (P's first among them, fewer than its 300).
     assert set(last["moved_tokens"]) == set(last["migrated_ids"]), last
     assert all(2 <= n < 300 for n in last["moved_tokens"].values()), last
-    assert _migrated_in(dep) - taken_over == len(last["migrated_ids"])  # the other D went on with each
+    assert _migrated_in(dep) - taken_over == len(last["migrated_ids"]), (  # the other D went on with each
+        last, {k: (s.get("counters"), [r["request_id"] for r in s.get("recent_takeovers", [])])
+               for k, s in servekit.stats_of(dep).items()})
     # Each went on through the takeover its pre-copy opened: the target's moments, in order.
     moments = {r["request_id"].split(".")[0]: r for st in servekit.stats_of(dep).values()
                for r in st.get("recent_takeovers", [])}
     for moved in last["migrated_ids"]:
+        assert moved.split(".")[0] in moments, (moved, last, sorted(moments))
         m = moments[moved.split(".")[0]]
         assert m["opened_at"] <= m["precopied_at"] <= m["handed_over_at"] <= m["admitted_at"] <= m["first_token_at"], m
         assert last["parked_at"] <= m["handed_over_at"], (last, m)

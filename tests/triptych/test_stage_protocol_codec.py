@@ -24,6 +24,7 @@ from triptych.stage_protocol import (
 @pytest.mark.parametrize("event", [
     TokensEvent(token_ids=[5, 6, 7]),
     TokensEvent(token_ids=[1], index=3),
+    TokensEvent(token_ids=[4, 5], start=17),  # a fed decode's tokens carry their output index
     TokensEvent(token_ids=[2, 3], logprobs=[TokenLogprob(token=2, logprob=-0.5, top=[(2, -0.5)]),
                                             TokenLogprob(token=3, logprob=-1.0)]),
     FinishedEvent(finish_reason="length", timings={"decode": 0.25}, index=1),
@@ -44,6 +45,7 @@ def test_round_trip_and_same_json_as_pydantic(event) -> None:
     b'{"type":"tokens"}',
     b'{"type":"tokens","token_ids":[1]',
     b'{"type":"token","token_ids":[1]}',
+    b'{"type":"tokens","token_ids":[1],"start":-1}',
 ])
 def test_malformed_tokens_lines_are_refused(line: bytes) -> None:
     with pytest.raises(ValidationError):

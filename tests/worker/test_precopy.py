@@ -21,6 +21,7 @@ from triptych.stage_protocol import KVSource
 from triptych.topology import InstanceType, Stage
 from triptych.worker.engine import Engine, EngineConfig, PrefilledKV, RequestStatus
 from triptych.worker.engine.request import FinishReason, Request
+from triptych.worker.engine.token_feed import TokenFeed
 from triptych.worker.migration import HandoffExpiredError, MigrationService
 from triptych.worker.transfer import TransferEngine
 
@@ -262,3 +263,72 @@ def test_a_takeover_without_its_hand_over_is_refused_and_holds_nothing(qwen2_vl_
         assert r.status_code == 400
         stats = client.get("/admin/stats").json()
     assert stats["kv_cache"]["used"] == 0 and stats["leases_outstanding"] == 0 and stats["num_running"] == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+async def test_a_decode_handed_over_live_goes_on_at_its_source_while_its_target_follows_then_leads(
+        qwen2_vl_dir: Path, pair: tuple[Side, Side], temperature: float) -> None:
+    """Make-before-break (worker/engine/token_feed.py): the source hands the decode over
+    with its KV as of now and keeps decoding; the target pulls that KV and follows the
+    tokens the source sampled since (their KV computed, nothing sampled, nothing emitted);
+    after the cut-over (the lead) it samples from there on exactly the tokens of an
+    uninterrupted run."""
+    src, dst = pair
+    proc = processor(qwen2_vl_dir)
+    case = next(c for c in make_cases(8) if not c.images)
+    params = SamplingParams(temperature=temperature, seed=91, max_tokens=24, ignore_eos=True)
+    (whole,) = _engine(qwen2_vl_dir).generate_batch([to_request(proc, case, "w", params, stages=PD)])
+
+    req = to_request(proc, case, "x", params, stages=PD)
+    req.moves_live = True
+    src.engine.add_request(req)
+    _run_until(src.engine, req, 6)
+    src.engine.offload(migrate=True)
+    outs = src.engine.step()
+    (out,) = [o for o in outs if o.handoff is not None]
+    assert not out.finished and out.handoff.held is not None and req.handed_over_live
+    assert src.engine.live_handovers() == {"x"} and src.engine.parked_ids() == []
+    kv = _wire(src.service.offer_precopy("x", out.handoff.held))
+    assert kv.generated + [kv.first_token] == req.output_token_ids
+
+    _run_until(src.engine, req, 12)  # the source goes on (the client gets these from it)
+    assert req.output_token_ids == whole.output_token_ids[:12] and src.engine.parked_ids() == []
+    block_ids = await dst.service.pull_kv(kv, [*req.prompt_token_ids, *kv.generated], req.mm_items)
+    cont = to_request(proc, case, "x", params, stages={Stage.DECODE},
+                      prefilled=PrefilledKV(block_ids, kv.num_tokens, kv.first_token, generated=kv.generated))
+    cont.images, cont.feed = {}, TokenFeed()
+    start = len(kv.generated) + 1
+    cont.feed.put(start, req.output_token_ids[start:12])
+    cont.feed.put(start, req.output_token_ids[start:start + 2])  # a repeat changes nothing
+    dst.engine.add_request(cont)
+    emitted: list[int] = []
+    for _ in range(3):  # following: the fed tokens' KV computed in one chunk, nothing sampled
+        emitted += [t for o in dst.engine.step() if o.request_id == "x" for t in o.new_token_ids]
+    assert emitted == [] and cont.output_token_ids == whole.output_token_ids[:12]
+    assert cont.num_computed_tokens == cont.num_tokens - 1 and dst.engine.scheduler.counters.steps == 1
+    cont.feed.put(12, [], lead=True)  # the cut-over: the source stopped at 12 tokens
+    while not cont.is_finished:
+        emitted += [t for o in dst.engine.step() if o.request_id == "x" for t in o.new_token_ids]
+    assert cont.output_token_ids == whole.output_token_ids and cont.finish_reason == FinishReason.LENGTH
+    assert emitted == whole.output_token_ids[12:]  # none of the fed tokens (nor the earlier ones) again
+    assert dst.engine.scheduler.counters.steps == 1 + 12 and cont.feed.mismatches == 0
+
+    src.engine.abort("x")  # the router closed the source's stream
+    src.engine.step()
+    assert await eventually(lambda: src.service.leases.outstanding() == 0, timeout_s=10.0)  # pulled, confirmed
+    src.engine.step()
+    assert src.engine.kv.num_used == 0 and dst.engine.kv.num_used == 0
+    assert src.engine.request_ids() == [] and dst.engine.request_ids() == []
+
+
+def test_a_token_feed_gives_the_tokens_that_extend_the_decode_in_order() -> None:
+    feed = TokenFeed()
+    feed.put(5, [50, 51])
+    feed.put(8, [80])  # ahead of a gap: waits for index 7
+    assert feed.take([0, 1, 2, 3]) == []  # index 4 not fed yet
+    assert feed.take([0, 1, 2, 3, 4]) == [50, 51]
+    feed.put(6, [61, 70])  # 6 is had already (and differs: counted), 7 fills the gap
+    assert feed.take([0, 1, 2, 3, 4, 50, 51]) == [70, 80] and feed.mismatches == 1
+    assert feed.following(9)  # no cut yet
+    feed.put(9, [90], lead=True)  # the last token the source streamed, and the cut
+    assert feed.lead_at == 10 and feed.following(9) and not feed.following(10)

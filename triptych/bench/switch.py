@@ -101,64 +101,68 @@ def added_gaps(result: RequestResult, since: float | None = None) -> float | Non
     return (max(gaps) - tpot) / tpot if gaps else None
 
 
-def gap_at(result: RequestResult, t: float) -> float | None:
-    """Seconds of the stream's gap that spans `t` (a `time.perf_counter()` value); None
-    when no gap spans it (the stream had not started or had ended)."""
-    times = _arrivals(result)
-    for a, b in zip(times, times[1:], strict=False):
-        if a <= t < b:
-            return b - a
-    return None
-
-
-def hop_span(result: RequestResult, moved_tokens: int) -> tuple[float, float] | None:
+def hop_span(result: RequestResult, moved_tokens: int, released: int | None = None) -> tuple[float, float] | None:
     """When a moved stream's hop began and ended (`time.perf_counter()` values): the arrival
-    of its last token from the old instance, token `moved_tokens` (the tokens it had when it
-    moved, `last_switch.moved_tokens`), and of its first from the new one. None when the
-    stream did not get that far."""
+    of its last token from the old instance before the hand-over, token `moved_tokens` (the
+    tokens it had when it moved, `last_switch.moved_tokens`), and of its first from the new
+    one. A decode handed over live (make-before-break) went on at its source until its
+    stream let go at `released` tokens (`last_switch.released_tokens`): its next instance
+    streamed from that token or an earlier one, so the span runs to that token. None when
+    the stream did not get that far."""
     times = _arrivals(result)
     if not 1 <= moved_tokens < len(times):
         return None
-    return times[moved_tokens - 1], times[moved_tokens]
+    end = moved_tokens if released is None else max(moved_tokens, min(released, len(times) - 1))
+    return times[moved_tokens - 1], times[end]
 
 
-def hop_gap(result: RequestResult, moved_tokens: int, concurrent: float = 0.0) -> float | None:
-    """The added gaps of the pause a migration put in the stream: from its last token at the
-    old instance to its first at the new one (`hop_span`), less one TPOT, in TPOTs. With
-    `concurrent` (seconds: the pause the streams that did not move had at that same moment),
-    less that pause instead where it is longer: what the hop added beyond a stall every
-    stream had."""
+def max_gap_over(result: RequestResult, start: float, end: float) -> float | None:
+    """The stream's longest gap that overlaps [start, end] (seconds; None if none does)."""
+    times = _arrivals(result)
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > start and a < end]
+    return max(gaps) if gaps else None
+
+
+def hop_gap(result: RequestResult, moved_tokens: int, concurrent: float = 0.0,
+            released: int | None = None) -> float | None:
+    """The added gaps of the pause a migration put in the stream: its longest gap over the
+    hop (`hop_span`: one gap, from its last token at the old instance to its first at the
+    new one; a live hand-over's whole overlap), less one TPOT, in TPOTs. With `concurrent`
+    (seconds: the pause the streams that did not move had over that same span), less that
+    pause instead where it is longer: what the hop added beyond a stall every stream had."""
     tpot = result.tpot
-    span = hop_span(result, moved_tokens)
+    span = hop_span(result, moved_tokens, released)
     if tpot is None or tpot <= 0 or span is None:
         return None
-    return (span[1] - span[0] - max(tpot, concurrent)) / tpot
+    longest = max_gap_over(result, *span)
+    return None if longest is None else (longest - max(tpot, concurrent)) / tpot
 
 
-def _moved_spans(results: list[RequestResult], moved_tokens: dict[str, int]) -> Iterator[
+def _moved_spans(results: list[RequestResult], moved_tokens: dict[str, int], released: dict[str, int]) -> Iterator[
         tuple[RequestResult, tuple[float, float]]]:
     """Each moved stream (by request id in `moved_tokens`) that got past its hop, with the
-    hop's span (`hop_span`)."""
+    hop's span (`hop_span`; `released`: where live hand-overs let their sources go)."""
     for r in results:
-        span = hop_span(r, moved_tokens[r.request_id]) if r.ok and r.request_id in moved_tokens else None
+        span = hop_span(r, moved_tokens[r.request_id], released.get(r.request_id)) \
+            if r.ok and r.request_id in moved_tokens else None
         if span is not None:
             yield r, span
 
 
-def _max_hop_gap(results: list[RequestResult], moved_tokens: dict[str, int],
+def _max_hop_gap(results: list[RequestResult], moved_tokens: dict[str, int], released: dict[str, int],
                  others: list[RequestResult] | None = None) -> float | None:
     """The largest hop gap over the moved streams (`moved_tokens`: the tokens each had when
     it moved, by request id); with `others` (the streams that did not move), each net of
-    their median pause in the middle of that hop (`hop_gap`'s `concurrent`)."""
+    their median longest pause over that hop's span (`hop_gap`'s `concurrent`)."""
     hops = []
-    for r, span in _moved_spans(results, moved_tokens):
+    for r, span in _moved_spans(results, moved_tokens, released):
         concurrent = 0.0
         if others is not None:
-            paused = sorted(g for g in (gap_at(o, (span[0] + span[1]) / 2) for o in others if o.ok) if g is not None)
+            paused = sorted(g for g in (max_gap_over(o, *span) for o in others if o.ok) if g is not None)
             if not paused:
                 continue  # nothing to compare with
             concurrent = paused[len(paused) // 2]
-        hop = hop_gap(r, moved_tokens[r.request_id], concurrent)
+        hop = hop_gap(r, moved_tokens[r.request_id], concurrent, released.get(r.request_id))
         if hop is not None:
             hops.append(hop)
     return round(max(hops), 2) if hops else None
@@ -181,13 +185,14 @@ def hop_parts(parked_at: float | None, moments: dict[str, Any], client_first: fl
             "admitted_to_first_token": first - admitted, "first_token_to_client": client_first - first}
 
 
-def hop_breakdown(results: list[RequestResult], moved_tokens: dict[str, int], parked_at: float | None,
-                  takeovers: dict[str, dict[str, Any]], wall_minus_perf: float) -> dict[str, float] | None:
+def hop_breakdown(results: list[RequestResult], moved_tokens: dict[str, int], released: dict[str, int],
+                  parked_at: float | None, takeovers: dict[str, dict[str, Any]],
+                  wall_minus_perf: float) -> dict[str, float] | None:
     """`hop_parts`' median over the moved streams (by the router's request id in
     `moved_tokens` and `takeovers`); `wall_minus_perf` turns the client's
     `time.perf_counter()` arrivals into wall clock."""
     parts: dict[str, list[float]] = {k: [] for k in HOP_PARTS}
-    for r, span in _moved_spans(results, moved_tokens):
+    for r, span in _moved_spans(results, moved_tokens, released):
         got = hop_parts(parked_at, takeovers.get(r.request_id, {}), span[1] + wall_minus_perf)
         for k, v in (got or {}).items():
             parts[k].append(v)
@@ -257,6 +262,7 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             moved = {i.split(".")[0] for i in last.get("migrated_ids", [])}
             # By the router's request id (a later hop's worker id is `<id>.tN` / `<id>.dN`).
             moved_tokens = {i.split(".")[0]: n for i, n in last.get("moved_tokens", {}).items()}
+            released = {i.split(".")[0]: n for i, n in (last.get("released_tokens") or {}).items()}
             since = switch_at[0] if switch_at else None
             migrated_results = [r for r in results if r.request_id in moved]
             others = [r for r in results if r.request_id not in moved]
@@ -271,10 +277,11 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                    "requests": len(results), "failed": len(failed),
                    "max_added_gaps": _max_added(results, None),
                    "migrated_added_gaps": _max_added(migrated_results, since),
-                   "hop_added_gaps": _max_hop_gap(migrated_results, moved_tokens),
-                   "hop_net_gaps": _max_hop_gap(migrated_results, moved_tokens, others),
+                   "hop_added_gaps": _max_hop_gap(migrated_results, moved_tokens, released),
+                   "hop_net_gaps": _max_hop_gap(migrated_results, moved_tokens, released, others),
+                   "moved_live": len(released),
                    "hop_ms": None if not moved else hop_breakdown(
-                       migrated_results, moved_tokens, last.get("parked_at"), _takeovers(client, dep),
+                       migrated_results, moved_tokens, released, last.get("parked_at"), _takeovers(client, dep),
                        time.time() - time.perf_counter()),
                    "others_added_gaps": _max_added(others, since)}
             progress(f"  {label} ({'loaded' if loaded else 'idle'}): total {report['total_s'] * 1000:.1f} ms, "
@@ -325,7 +332,8 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated", "hand-over ms",
+    head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated (live)",
+            "hand-over ms",
             "handed back", "failed", "hop gaps", "hop net", "hop ms: hand-over/admit/token/client", "migrated gaps",
             "others' gaps", "max added gaps")
     rows = [head]
@@ -333,7 +341,7 @@ def format_table(report: dict[str, Any]) -> str:
         rows.append((r["switch"], "streams" if r["loaded"] else "idle", fmt(r.get("precopy_s"), 1000, 1),
                      fmt(r["offload_s"], 1000, 1),
                      fmt(r["migrate_s"], 1000, 1), fmt(r["onload_s"], 1000, 1), fmt(r["total_s"], 1000, 1),
-                     str(r["migrated"]), fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
+                     f"{r['migrated']} ({r.get('moved_live', 0)})", fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
                      str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
                      fmt(r["hop_added_gaps"], 1, 2), fmt(r.get("hop_net_gaps"), 1, 2),
                      "/".join(fmt(r["hop_ms"][k], 1000, 1) for k in HOP_PARTS) if r.get("hop_ms") else "-",

@@ -246,10 +246,11 @@ class Engine(PulledBlocks, PreCopy):
             outputs.extend(self.output.process(batch, sampled))
             self.output.park_encoded(outputs)
             if self.migrating_out:
-                outputs.extend(self.output.park_decodes())
+                outputs.extend(self._move_out_decodes())
         return outputs
 
     def _schedule(self, outputs: list[RequestOutput]) -> ScheduledBatch:
+        outputs.extend(self.output.absorb_feeds())  # tokens a migrated decode's source sampled
         batch = self.scheduler.schedule()
         for req, why in batch.failed:
             outputs.append(self.output.finish(req, FinishReason.ERROR, why))
@@ -308,10 +309,10 @@ class Engine(PulledBlocks, PreCopy):
                 outputs.extend(self.output.hand_back())
                 self.migrating_out = self.migrating_out or arg
                 if arg:
-                    outputs.extend(self.output.park_decodes())
+                    outputs.extend(self._move_out_decodes())
             elif kind == "park":  # the decodes of a live switch's old role move out now
                 self.migrating_out = True
-                outputs.extend(self.output.park_decodes())
+                outputs.extend(self._move_out_decodes())
             elif kind == "precopy":
                 outputs.extend(self._precopy_outputs())
             elif kind in ("abort", "release"):
@@ -345,8 +346,7 @@ class Engine(PulledBlocks, PreCopy):
                 "token_budget": self.token_budget,
                 "image_budget": self.image_budget,
                 "num_waiting": len(sched.waiting) + sum(1 for k, _ in self._inbox if k == "add"),
-                "num_running": len(sched.running),
-                "num_parked": len(sched.parked),
+                "num_running": len(sched.running), "num_parked": len(sched.parked),
                 "max_num_seqs": self.config.max_num_seqs,
                 "counters": sched.counters.as_dict(),
             }

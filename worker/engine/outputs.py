@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
 from triptych.topology import Stage
 from triptych.worker.engine.batch import ScheduledBatch
@@ -41,6 +42,9 @@ class OutputProcessor:
         # The decodes parked to migrate out, latest last (a switch reports them): id -> the
         # tokens its stream had by then (the next one is its new instance's first).
         self.moved_out: OrderedDict[str, int] = OrderedDict()
+        # Decodes handed over live, by id: the tokens each had here when its stream let go
+        # (its next instance streamed from a token at or before that one on).
+        self.released: OrderedDict[str, int] = OrderedDict()
 
     def process(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
         """Advance every request of `batch` past what the step computed."""
@@ -133,9 +137,11 @@ class OutputProcessor:
 
     def park_decodes(self) -> list[RequestOutput]:
         """Migrate out (EPDServe §3.2.4): every running decode parks with its KV blocks and
-        the tokens it generated, for another decode instance to pull and go on from."""
+        the tokens it generated, for another decode instance to pull and go on from (a
+        decode handed over live goes on here instead: `hand_over_live`)."""
         outputs = []
-        for req in [r for r in self.scheduler.running if r.prefill_done and Stage.DECODE in r.stages]:
+        for req in [r for r in self.scheduler.running if r.prefill_done and Stage.DECODE in r.stages
+                    and not r.handed_over_live]:
             kv = self.scheduler.kv
             assert kv is not None and req.output_token_ids
             # Between steps the KV holds every token but the last sampled one.
@@ -144,11 +150,35 @@ class OutputProcessor:
                               generated=req.output_token_ids[:-1])
             self.scheduler.park(req)
             req.handoff = handoff
-            self.scheduler.counters.migrated_out += 1
-            self.moved_out[req.request_id] = len(req.output_token_ids)
-            if len(self.moved_out) > MOVED_OUT_KEPT:
-                self.moved_out.popitem(last=False)
+            self._moved_out(req)
             outputs.append(self.output(req, finished=True, handoff=handoff))
+        return outputs
+
+    def hand_over_live(self, req: Request, held: Any) -> RequestOutput:
+        """Make-before-break (token_feed.py): the decode is handed over with its KV as of
+        now (`held`: precopy.HeldKV, its references keep the blocks for the pull) and goes
+        on decoding here, its stream open, until the stream lets go."""
+        req.handed_over_live = True
+        handoff = Handoff(Stage.DECODE, kv_block_ids=held.block_ids, num_kv_tokens=held.num_tokens,
+                          first_token=req.output_token_ids[-1], generated=req.output_token_ids[:-1], held=held)
+        self._moved_out(req)
+        return self.output(req, handoff=handoff)
+
+    def _moved_out(self, req: Request) -> None:
+        self.scheduler.counters.migrated_out += 1
+        _remember(self.moved_out, req.request_id, len(req.output_token_ids))
+
+    def absorb_feeds(self) -> list[RequestOutput]:
+        """Before a step: the tokens fed to migrated decodes (token_feed.py) join them, as
+        tokens of their stream already sent (their KV is computed with the next sample);
+        a decode ends where a fed token ends it (its source ended there too)."""
+        outputs = []
+        for req in [r for r in self.scheduler.running if r.feed is not None and r.prefill_done]:
+            for token in req.feed.take(req.output_token_ids):
+                out = self.append_token(req, token, None, time.monotonic())
+                if out is not None and out.finished:
+                    outputs.append(out)
+                    break
         return outputs
 
     def hand_back(self) -> list[RequestOutput]:
@@ -179,6 +209,8 @@ class OutputProcessor:
         req.timings.finished = time.monotonic()
         self._requests.pop(req.request_id, None)
         self._in_use.discard(req.request_id)
+        if req.handed_over_live:
+            _remember(self.released, req.request_id, len(req.output_token_ids))
         return self.output(req, finished=True)
 
     def output(self, req: Request, new_ids: list[int] | None = None, *, finished: bool = False,
@@ -212,3 +244,9 @@ class OutputProcessor:
             piece = req.stop_matcher.add(piece, check=check)
         req.text_parts.append(piece)
         return req.stop_matcher is not None and req.stop_matcher.stopped
+
+
+def _remember(kept: OrderedDict[str, int], request_id: str, num_tokens: int) -> None:
+    kept[request_id] = num_tokens
+    if len(kept) > MOVED_OUT_KEPT:
+        kept.popitem(last=False)

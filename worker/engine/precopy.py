@@ -72,12 +72,33 @@ class PreCopy:
             if req is None or kv is None or req.status != RequestStatus.DECODING:
                 return None
             full = req.num_computed_tokens // kv.block_size
-            if full == 0:
-                return None
-            block_ids = req.block_ids[:full]
-            kv.touch(block_ids)
-            return HeldKV(block_ids, full * kv.block_size, req.all_token_ids[:full * kv.block_size + 1],
-                          req.num_prompt_tokens, _releaser(kv, block_ids, self._lock, self.driver.wake))
+            return self._hold(req, full * kv.block_size) if full else None
+
+    def _hold(self, req: Request, num_tokens: int) -> HeldKV:
+        """References to the blocks holding `req`'s first `num_tokens` tokens' KV."""
+        kv = self.kv
+        assert kv is not None
+        block_ids = req.block_ids[:kv.blocks_for(num_tokens)]
+        kv.touch(block_ids)
+        return HeldKV(block_ids, num_tokens, req.all_token_ids[:num_tokens + 1], req.num_prompt_tokens,
+                      _releaser(kv, block_ids, self._lock, self.driver.wake))
+
+    def _move_out_decodes(self) -> list[RequestOutput]:
+        """Migrate out (EPDServe §3.2.4) at this step boundary, on the step thread: a decode
+        whose stream can merge two instances' tokens is handed over live with its KV as of
+        now held for the pull, and goes on decoding here until its stream lets go
+        (make-before-break, token_feed.py); every other decode parks."""
+        outputs = []
+        for req in [r for r in self.scheduler.running if r.moves_live and not r.handed_over_live
+                    and r.prefill_done and Stage.DECODE in r.stages]:
+            # Between steps the KV holds every token but the last sampled one.
+            outputs.append(self.output.hand_over_live(req, self._hold(req, req.num_computed_tokens)))
+        return outputs + self.output.park_decodes()
+
+    def live_handovers(self) -> set[str]:
+        """Decodes handed over live that still run here (until their streams let go)."""
+        with self._lock:
+            return {i for i, r in self._requests.items() if r.handed_over_live}
 
     def _precopy_outputs(self) -> list[RequestOutput]:
         """On the step thread: an output with `precopy` set for each running decode."""

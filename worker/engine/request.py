@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from triptych.worker.engine.mm_cache import MMEntry
+    from triptych.worker.engine.token_feed import TokenFeed
 
 ALL_STAGES: frozenset[Stage] = frozenset(Stage)
 
@@ -146,6 +147,9 @@ class Handoff:
     generated: list[int] = field(default_factory=list)  # DECODE: outputs before first_token
     # (content_hash, block_ids, num_rows) per distinct image embedding
     mm: list[tuple[str, list[int], int]] = field(default_factory=list)
+    # DECODE handed over live (make-before-break, token_feed.py): the decode goes on here
+    # and these references (precopy.HeldKV) keep its blocks as they were until the pull.
+    held: Any = None
 
 
 @dataclass
@@ -221,6 +225,13 @@ class Request:
     # first token from the same logits (model_runner.py); worker/choices.py forks them.
     choice_firsts: list[tuple[int, dict[str, Any] | None]] = field(default_factory=list, init=False)
     guide: Any = field(default=None, init=False)  # guided.Guide, built at admission from `grammar`
+    # Make-before-break migration (token_feed.py): `moves_live`, set by a stream that can
+    # merge two instances' tokens, lets a switch hand the decode over while it goes on
+    # here (`handed_over_live` once it was); `feed`, on the decode's next instance, the
+    # tokens its source samples meanwhile.
+    moves_live: bool = field(default=False, init=False)
+    handed_over_live: bool = field(default=False, init=False)
+    feed: TokenFeed | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.stages = frozenset(Stage(s) for s in self.stages)

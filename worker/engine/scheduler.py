@@ -182,9 +182,17 @@ class Scheduler:
     def _schedule_decodes(self, batch: ScheduledBatch) -> None:
         for req in list(self.running):
             if req.prefill_done and req in self.running:
-                if self._reserve_kv(req, req.num_tokens, batch):
-                    batch.chunks.append(Chunk(req, req.num_computed_tokens, req.num_tokens))
-                    self._tokens_left -= 1
+                end = req.num_tokens
+                # A migrated decode following its source (token_feed.py) computes the fed
+                # tokens' KV and samples nothing: its last token waits for the cut.
+                if req.feed is not None and req.feed.following(len(req.output_token_ids)):
+                    end -= 1
+                    if end <= req.num_computed_tokens:
+                        continue
+                if self._reserve_kv(req, end, batch):
+                    # One token, or the tokens fed to a migrated decode (and its next).
+                    batch.chunks.append(Chunk(req, req.num_computed_tokens, end))
+                    self._tokens_left -= end - req.num_computed_tokens
                     if req.timings.first_scheduled is None:  # entered prefilled: its decode queue ends now
                         req.timings.first_scheduled = time.monotonic()
 
