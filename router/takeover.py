@@ -11,9 +11,9 @@ event once the source stops the decode. The stop-and-copy then costs one line on
 connection and a pull of the last, partial block(s) — not a new hop and all of the KV.
 
 A source that hands the decode over live (`MigratingEvent.live`: make-before-break) keeps
-decoding; `feed` then sends its tokens to the target (`POST /internal/feed`, one call at a
-time: tokens that come meanwhile go together), which follows them until `lead` cuts over
-(router/overlap.py).
+decoding while the target pulls; `lead` cuts over (router/overlap.py): it sends the target
+the tokens the source streamed since the hand-over (`POST /internal/feed`), from which the
+target samples on.
 
 A takeover that is never handed over (the decode finished at its source, the client went
 away, or the chosen instance no longer takes decodes) is closed: its connection drops and
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator
 
 import httpx
@@ -35,9 +36,9 @@ from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent,
 
 log = logging.getLogger("triptych.router.takeover")
 
-FEED_TIMEOUT_S = 2.0  # one feed call; a target that did not take a feed is never cut over to
+FEED_TIMEOUT_S = 2.0  # the cut-over's call; a target that did not take it is never cut over to
 
-_END = object()
+END = object()  # what `events` ends at (also for `unread`)
 
 
 class Takeover:
@@ -51,12 +52,8 @@ class Takeover:
         self._tail: asyncio.Future[HandOver] = asyncio.get_running_loop().create_future()
         self._tail_sent = False
         self._queue: asyncio.Queue[object] = asyncio.Queue()
+        self._queue_front: deque[object] = deque()  # put back by `unread`
         self._client = stages.client
-        self._fed: list[int] = []  # tokens to feed, from output index `_fed_start`
-        self._fed_start = 0
-        self._feeder: asyncio.Task[None] | None = None
-        self._lead = False
-        self.feed_failed = False  # a feed the target did not take: it cannot lead (overlap.py)
         first = sreq.model_dump_json().encode() + b"\n"
         self._task = asyncio.create_task(self._run(stages, sreq, read_timeout_s, waits, first))
 
@@ -66,53 +63,37 @@ class Takeover:
         if not self._tail.done():
             self._tail.set_result(HandOver(**kv.model_dump(), live=live))
 
+    def unread(self, item: object) -> None:
+        """Put back what a reader of `events` took but did not use (an event, or the
+        failure or end it met): the next reader gets it first."""
+        self._queue_front.append(item)
+
     async def events(self) -> AsyncIterator[StageEvent]:
         while True:
-            item = await self._queue.get()
-            if item is _END:
+            item = self._queue_front.popleft() if self._queue_front else await self._queue.get()
+            if item is END:
                 return
             if isinstance(item, BaseException):
                 raise item
             yield item  # type: ignore[misc]
 
-    def feed(self, start: int, token_ids: list[int]) -> None:
-        """Tokens the source sampled after a live hand-over (output indices from `start`,
-        following those fed before) for the target to follow."""
-        if not self._fed:
-            self._fed_start = start
-        self._fed.extend(token_ids)
-        self._send()
-
-    def lead(self, length: int) -> None:
-        """The cut-over: the source is closed once it streamed `length` tokens; the target
-        samples from there (after every token fed before this)."""
-        if not self._fed:
-            self._fed_start = length
-        self._lead = True
-        self._send()
-
-    def _send(self) -> None:
-        if self._feeder is None or self._feeder.done():
-            self._feeder = asyncio.create_task(self._send_feeds())
-
-    async def _send_feeds(self) -> None:
-        """One call at a time, in order (the lead last): what came meanwhile goes together."""
-        while self._fed or self._lead:
-            body = FeedRequest(request_id=self.request_id, start=self._fed_start, token_ids=self._fed, lead=self._lead)
-            self._fed_start, self._fed, self._lead = self._fed_start + len(self._fed), [], False
-            try:
-                resp = await self._client.post(f"{self.target.url}/internal/feed", content=body.model_dump_json(),
-                                               headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
-                resp.raise_for_status()
-            except httpx.HTTPError as exc:
-                log.info("feed of %s to %s failed: %s", self.request_id, self.target.url, exc)
-                self.feed_failed = True
+    async def lead(self, start: int, token_ids: list[int]) -> bool:
+        """The cut-over of a live hand-over (router/overlap.py): the tokens the source
+        streamed since the hand-over (output indices from `start`), after which the target
+        samples. False when the target did not take it (it cannot lead: the source must
+        finish the decode)."""
+        body = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=True)
+        try:
+            resp = await self._client.post(f"{self.target.url}/internal/feed", content=body.model_dump_json(),
+                                           headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            log.info("lead of %s on %s failed: %s", self.request_id, self.target.url, exc)
+            return False
+        return resp.status_code == 204
 
     def close(self) -> None:
         """Drop the hop (unused, or its reader gone): the instance sees the connection end."""
         self._task.cancel()
-        if self._feeder is not None:
-            self._feeder.cancel()
         if not self._tail.done():
             self._tail.cancel()
 
@@ -128,7 +109,7 @@ class Takeover:
             async for event in stages.run(self.target, sreq, read_timeout_s, waits, path="/internal/takeover",
                                           content=self._body(first)):
                 self._queue.put_nowait(event)
-            self._queue.put_nowait(_END)
+            self._queue.put_nowait(END)
         except asyncio.CancelledError:
             raise
         except StageFailure as failure:

@@ -12,9 +12,9 @@ al., "Live Migration of Virtual Machines", NSDI '05 §3: pre-copy, then stop-and
    hop, and its pull finds the pre-copied blocks cached and reads only the rest.
 
 A source that hands the decode over live (make-before-break, `MigratingEvent.live`, the
-hand-over's `live`) goes on decoding meanwhile; the router feeds its tokens here (`POST
-/internal/feed`, `feed`) and the decode follows them until the router cuts over
-(worker/engine/token_feed.py).
+hand-over's `live`) goes on decoding meanwhile; the decode here follows (samples nothing)
+until the router cuts over with the tokens the source streamed since (`POST
+/internal/feed`, `feed`; worker/engine/token_feed.py).
 
 Nothing is held between the two: pre-copied blocks sit unreferenced in the prefix cache
 (evictable), so a hand-over that never comes leaks nothing.
@@ -87,8 +87,9 @@ async def _receive(inst: InstanceRuntime, sreq: StageRequest, lines: AsyncIterat
 
 
 def feed(inst: InstanceRuntime, body: FeedRequest) -> bool:
-    """Tokens the source of a takeover here sampled after its live hand-over: the decode
-    takes them at its next step. False when no takeover of that id runs here (it ended)."""
+    """Tokens the source of a live takeover here streamed after its hand-over (with `lead`,
+    the cut-over): the decode takes them at its next step. False when no live takeover of
+    that id runs here (it ended, or was no live one)."""
     token_feed = inst.feeds.get(body.request_id)
     if token_feed is None:
         return False

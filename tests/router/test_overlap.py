@@ -1,8 +1,7 @@
 """Make-before-break (router/overlap.py): a decode handed over live keeps streaming from
-its source while its takeover pulls the KV and follows the fed tokens; once the target
-is ready, the overlap cuts over right after a token from the source. The client gets
-every output index once, in order; the target is fed every token the client got, then
-the lead at the client's next index."""
+its source while its takeover pulls the KV; once the target is ready, the overlap cuts
+over right after a token from the source, leading the target with every token the client
+got since the hand-over. The client gets every output index once, in order."""
 
 from __future__ import annotations
 
@@ -48,18 +47,19 @@ class Stream:
 class FakeTakeover(Stream):
     target, request_id = TARGET, "req.t1"
 
-    def __init__(self, feed_fails: bool = False) -> None:
+    def __init__(self, refuses_lead: bool = False) -> None:
         super().__init__()
-        self.fed: list[tuple[int, list[int]]] = []
-        self.led: list[int] = []
+        self.led: list[tuple[int, list[int]]] = []
         self.closed = False
-        self.feed_failed = feed_fails
+        self.refuses_lead = refuses_lead
+        self.unread_items: list[object] = []
 
-    def feed(self, start: int, token_ids: list[int]) -> None:
-        self.fed.append((start, list(token_ids)))
+    async def lead(self, start: int, token_ids: list[int]) -> bool:
+        self.led.append((start, list(token_ids)))
+        return not self.refuses_lead
 
-    def lead(self, length: int) -> None:
-        self.led.append(length)
+    def unread(self, item: object) -> None:
+        self.unread_items.append(item)
 
     def close(self) -> None:
         self.closed = True
@@ -100,8 +100,23 @@ async def test_the_source_streams_through_the_hop_and_the_cut_follows_its_first_
     ])
     assert got == [[105], [106, 107], [108]]
     assert overlap.took_over and overlap.finished is None and overlap.next_index == 9
-    assert target.fed == [(5, [105]), (6, [106, 107]), (8, [108])]  # every token the client got, by index
-    assert target.led == [9] and not target.closed  # the target samples index 9 on
+    # Every token the client got since the hand-over (index 5 on): the target samples index 9 on.
+    assert target.led == [(5, [105, 106, 107, 108])] and not target.closed
+
+
+async def test_what_the_target_streams_while_the_lead_is_in_flight_is_left_for_the_caller():
+    """The target may sample its first token before the lead's call returns: that event
+    is put back on the takeover (the caller reads it next), never dropped."""
+    class QuickTarget(FakeTakeover):
+        async def lead(self, start: int, token_ids: list[int]) -> bool:
+            self.put(tokens([106], start=6))  # sampled at once from the lead
+            await asyncio.sleep(0.05)
+            return await super().lead(start, token_ids)
+
+    source, target = Stream(), QuickTarget()
+    overlap = overlap_of(target)
+    got = await _drain(overlap, source, [lambda: target.put(READY), lambda: source.put(tokens([105]))])
+    assert got == [[105]] and overlap.took_over and target.unread_items == [tokens([106], start=6)]
 
 
 async def test_the_source_finishing_first_ends_the_request():
@@ -115,16 +130,6 @@ async def test_the_source_finishing_first_ends_the_request():
     assert not overlap.took_over and target.led == []
 
 
-async def test_the_target_finishing_on_fed_tokens_ends_the_request_without_repeating_them():
-    source, target = Stream(), FakeTakeover()
-    overlap = overlap_of(target)
-    got = await _drain(overlap, source, [
-        lambda: source.put(tokens([105, 106])),
-        lambda: target.put(tokens([105, 106], start=5), FinishedEvent(finish_reason="length")),
-    ])
-    assert got == [[105, 106]] and overlap.finished_by is TARGET
-
-
 async def test_a_source_that_fails_before_the_target_is_ready_is_cut_over_from_once_it_is():
     source, target = Stream(), FakeTakeover()
     overlap = overlap_of(target)
@@ -132,7 +137,7 @@ async def test_a_source_that_fails_before_the_target_is_ready_is_cut_over_from_o
         lambda: source.put(tokens([105]), StageFailure(SOURCE, "connection reset")),
         lambda: target.put(READY),
     ])
-    assert got == [[105]] and overlap.took_over and target.led == [6]
+    assert got == [[105]] and overlap.took_over and target.led == [(5, [105])]
 
 
 async def test_a_source_aborted_after_the_target_is_ready_is_cut_over_from_at_once():
@@ -142,7 +147,7 @@ async def test_a_source_aborted_after_the_target_is_ready_is_cut_over_from_at_on
         lambda: target.put(READY),
         lambda: source.put(FinishedEvent(finish_reason="abort")),  # a switch's deadline stopped it
     ])
-    assert got == [] and overlap.took_over and target.led == [5] and overlap.finished is None
+    assert got == [] and overlap.took_over and target.led == [(5, [])] and overlap.finished is None
 
 
 async def test_a_target_that_fails_leaves_the_source_to_finish_the_decode():
@@ -166,25 +171,26 @@ async def test_a_target_moving_on_before_the_cut_is_let_go():
     assert target.closed and got == [[105]] and overlap.finished_by is SOURCE
 
 
-async def test_a_target_that_missed_a_feed_is_never_cut_over_to():
-    source, target = Stream(), FakeTakeover(feed_fails=True)
+async def test_a_target_that_does_not_take_the_lead_is_let_go_and_the_source_finishes():
+    source, target = Stream(), FakeTakeover(refuses_lead=True)
     overlap = overlap_of(target)
     got = await _drain(overlap, source, [
         lambda: target.put(READY),
         lambda: source.put(tokens([105])),
         lambda: source.put(tokens([106]), FinishedEvent(finish_reason="stop")),
     ])
-    assert got == [[105], [106]] and overlap.finished_by is SOURCE and target.closed and target.led == []
+    assert got == [[105], [106]] and overlap.finished_by is SOURCE and target.closed
+    assert target.led == [(5, [105])] and not overlap.took_over
 
 
-async def test_a_target_that_samples_instead_of_following_takes_over_at_its_first_new_token():
+async def test_a_target_ready_only_after_the_source_went_is_cut_over_to_at_once():
     source, target = Stream(), FakeTakeover()
     overlap = overlap_of(target)
     got = await _drain(overlap, source, [
-        lambda: source.put(tokens([105, 106])),
-        lambda: target.put(tokens([105, 106, 107], start=5)),
+        lambda: source.put(tokens([105, 106]), None),  # the source's stream ended unfinished
+        lambda: target.put(READY),
     ])
-    assert got == [[105, 106], [107]] and overlap.took_over and overlap.next_index == 8
+    assert got == [[105, 106]] and overlap.took_over and target.led == [(5, [105, 106])]
 
 
 async def test_both_streams_ending_unfinished_is_a_failure():

@@ -1,20 +1,17 @@
 """Tokens of a running decode that another instance sampled: the target side of a
-make-before-break migration.
+make-before-break migration (router/overlap.py).
 
 A decode moving off an instance (a role switch or a drain) is handed over while it keeps
-decoding there; the router streams the source's tokens to the client and also feeds them
-here (`POST /internal/feed`). Until the router cuts over, the decode here *follows*: the
-engine appends each fed token at its next step boundary without streaming it again
-(`OutputProcessor.absorb_feeds`) and computes their KV, but samples nothing (the
-scheduler leaves the last token for later). The router cuts over right after it relayed
-one of the source's tokens, once this instance has the decode in its engine: it closes
-the source and sends the last feed with `lead`, the decode's length from then on; once
-the decode holds that many tokens it samples the next one, and its stream goes on from
-exactly there. The stream pauses for the cut alone (a feed call, the step in flight
-here, one step), never for the pull or the admission. Tokens are keyed by output index,
-so a repeated feed changes nothing. Only decodes whose every token is a function of its
-index (greedy, or seeded: `SamplingParams` keys the random stream by output index) move
-this way, so both instances hold the same tokens.
+decoding there; the router streams the source's tokens to the client meanwhile, and this
+instance pulls the KV as of the hand-over and admits the decode. Until the router cuts
+over, the decode here *follows*: it samples nothing (the scheduler leaves its last token
+uncomputed). The cut-over (`POST /internal/feed` with `lead`) brings the tokens the source
+streamed since the hand-over and the decode's length from then on: the engine appends them
+at its next step boundary without streaming them again (`OutputProcessor.absorb_feeds`),
+computes their KV in one chunk with the next sample, and the stream goes on from exactly
+there. Tokens are keyed by output index, so a repeated feed changes nothing. Only decodes
+whose every token is a function of its index (greedy, or seeded: `SamplingParams` keys
+the random stream by output index) move this way, so both instances hold the same tokens.
 """
 
 from __future__ import annotations
