@@ -20,7 +20,8 @@ Nothing is held between the two: pre-copied blocks sit unreferenced in the prefi
 (evictable), so a hand-over that never comes leaks nothing.
 
 Each takeover's moments (wall clock: opened, pre-copied, handed over, admitted to the engine
-with its KV pulled, first token out) are kept for the last `TAKEOVER_RECORDS` in
+with its KV pulled, led — a live one's cut-over, with the output index it samples from —,
+first token out) are kept for the last `TAKEOVER_RECORDS` in
 `/admin/stats` `recent_takeovers`; `bench switch` lines them up with the source's park and
 the client's tokens (where a hop's time goes).
 """
@@ -69,7 +70,8 @@ async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRe
 
 async def _receive(inst: InstanceRuntime, sreq: StageRequest, lines: AsyncIterator[bytes]) -> StageRequest:
     moments = {"request_id": sreq.request_id, "opened_at": time.time(), "precopied_at": None,
-               "handed_over_at": None, "admitted_at": None, "first_token_at": None, "fed_tokens": 0}
+               "handed_over_at": None, "admitted_at": None, "first_token_at": None, "fed_tokens": 0,
+               "led_at": None, "lead_index": None}
     inst.takeovers.append(moments)
     await _precopy(inst, sreq, sreq.kv_source)
     moments["precopied_at"] = time.time()
@@ -97,6 +99,8 @@ def feed(inst: InstanceRuntime, body: FeedRequest) -> bool:
     for moments in reversed(inst.takeovers):
         if moments["request_id"] == body.request_id:
             moments["fed_tokens"] += len(body.token_ids)
+            if body.lead:  # the cut-over: the stream's tokens from this index on are ours
+                moments["led_at"], moments["lead_index"] = time.time(), body.start + len(body.token_ids)
             break
     if inst.engine is not None:
         inst.engine.driver.wake()

@@ -50,16 +50,17 @@ def test_the_hop_gap_runs_from_the_last_token_at_the_old_instance_to_the_first_a
     assert added_gaps(r, since=100.0) == pytest.approx(added_gaps(r))
 
 
-def test_a_live_hand_over_spans_the_overlap_until_its_source_let_go() -> None:
-    # Handed over live after 10 tokens, the source streamed on and let go at 14 tokens; the
-    # client's longest pause in that span (25 ms, before token 15) is the hop's cost.
+def test_a_live_hand_over_hops_where_the_router_cut_over() -> None:
+    # Handed over live after 10 tokens, the source streamed on; the router cut over to the
+    # target at output index 14: the gap before token 14 (25 ms) is the hop, not the one
+    # at the hand-over.
     times = [0.1 + 0.01 * i for i in range(14)] + [0.255 + 0.01 * i for i in range(6)]
     r = _stream(times)
     tpot = r.tpot
-    assert hop_span(r, 10, released=14) == pytest.approx((100.19, 100.255))
-    assert hop_gap(r, 10, released=14) == pytest.approx((0.025 - tpot) / tpot)
+    assert hop_span(r, 10, cut=14) == pytest.approx((100.23, 100.255))
+    assert hop_gap(r, 10, cut=14) == pytest.approx((0.025 - tpot) / tpot)
     assert hop_gap(r, 10) == pytest.approx((0.01 - tpot) / tpot)  # the hand-over's own gap: none added
-    assert hop_span(r, 10, released=40) == pytest.approx((100.19, 100.305))  # up to the stream's end
+    assert hop_span(r, 10, cut=40) is None  # the stream never got there
     assert _max_hop_gap([r], {"moved": 10}, {"moved": 14}) == round((0.025 - tpot) / tpot, 2)
 
 

@@ -101,19 +101,18 @@ def added_gaps(result: RequestResult, since: float | None = None) -> float | Non
     return (max(gaps) - tpot) / tpot if gaps else None
 
 
-def hop_span(result: RequestResult, moved_tokens: int, released: int | None = None) -> tuple[float, float] | None:
+def hop_span(result: RequestResult, moved_tokens: int, cut: int | None = None) -> tuple[float, float] | None:
     """When a moved stream's hop began and ended (`time.perf_counter()` values): the arrival
-    of its last token from the old instance before the hand-over, token `moved_tokens` (the
-    tokens it had when it moved, `last_switch.moved_tokens`), and of its first from the new
-    one. A decode handed over live (make-before-break) went on at its source until its
-    stream let go at `released` tokens (`last_switch.released_tokens`): its next instance
-    streamed from that token or an earlier one, so the span runs to that token. None when
-    the stream did not get that far."""
+    of its last token from the old instance, token `moved_tokens` (the tokens it had when it
+    moved, `last_switch.moved_tokens`), and of its first from the new one. A decode handed
+    over live (make-before-break) went on at its source until the router cut over at output
+    index `cut` (its target's `recent_takeovers` `lead_index`): its hop is the gap before
+    that token. None when the stream did not get that far."""
     times = _arrivals(result)
-    if not 1 <= moved_tokens < len(times):
+    last_old = moved_tokens if cut is None else cut
+    if not 1 <= last_old < len(times):
         return None
-    end = moved_tokens if released is None else max(moved_tokens, min(released, len(times) - 1))
-    return times[moved_tokens - 1], times[end]
+    return times[last_old - 1], times[last_old]
 
 
 def max_gap_over(result: RequestResult, start: float, end: float) -> float | None:
@@ -124,45 +123,45 @@ def max_gap_over(result: RequestResult, start: float, end: float) -> float | Non
 
 
 def hop_gap(result: RequestResult, moved_tokens: int, concurrent: float = 0.0,
-            released: int | None = None) -> float | None:
-    """The added gaps of the pause a migration put in the stream: its longest gap over the
-    hop (`hop_span`: one gap, from its last token at the old instance to its first at the
-    new one; a live hand-over's whole overlap), less one TPOT, in TPOTs. With `concurrent`
-    (seconds: the pause the streams that did not move had over that same span), less that
-    pause instead where it is longer: what the hop added beyond a stall every stream had."""
+            cut: int | None = None) -> float | None:
+    """The added gaps of the pause a migration put in the stream: its gap over the hop
+    (`hop_span`: from its last token at the old instance to its first at the new one),
+    less one TPOT, in TPOTs. With `concurrent` (seconds: the longest pause the streams that
+    did not move had over that same span), less that pause instead where it is longer:
+    what the hop added beyond a stall every stream had."""
     tpot = result.tpot
-    span = hop_span(result, moved_tokens, released)
+    span = hop_span(result, moved_tokens, cut)
     if tpot is None or tpot <= 0 or span is None:
         return None
     longest = max_gap_over(result, *span)
     return None if longest is None else (longest - max(tpot, concurrent)) / tpot
 
 
-def _moved_spans(results: list[RequestResult], moved_tokens: dict[str, int], released: dict[str, int]) -> Iterator[
+def _moved_spans(results: list[RequestResult], moved_tokens: dict[str, int], cuts: dict[str, int]) -> Iterator[
         tuple[RequestResult, tuple[float, float]]]:
     """Each moved stream (by request id in `moved_tokens`) that got past its hop, with the
-    hop's span (`hop_span`; `released`: where live hand-overs let their sources go)."""
+    hop's span (`hop_span`; `cuts`: where live hand-overs were cut over)."""
     for r in results:
-        span = hop_span(r, moved_tokens[r.request_id], released.get(r.request_id)) \
+        span = hop_span(r, moved_tokens[r.request_id], cuts.get(r.request_id)) \
             if r.ok and r.request_id in moved_tokens else None
         if span is not None:
             yield r, span
 
 
-def _max_hop_gap(results: list[RequestResult], moved_tokens: dict[str, int], released: dict[str, int],
+def _max_hop_gap(results: list[RequestResult], moved_tokens: dict[str, int], cuts: dict[str, int],
                  others: list[RequestResult] | None = None) -> float | None:
     """The largest hop gap over the moved streams (`moved_tokens`: the tokens each had when
     it moved, by request id); with `others` (the streams that did not move), each net of
     their median longest pause over that hop's span (`hop_gap`'s `concurrent`)."""
     hops = []
-    for r, span in _moved_spans(results, moved_tokens, released):
+    for r, span in _moved_spans(results, moved_tokens, cuts):
         concurrent = 0.0
         if others is not None:
             paused = sorted(g for g in (max_gap_over(o, *span) for o in others if o.ok) if g is not None)
             if not paused:
                 continue  # nothing to compare with
             concurrent = paused[len(paused) // 2]
-        hop = hop_gap(r, moved_tokens[r.request_id], concurrent, released.get(r.request_id))
+        hop = hop_gap(r, moved_tokens[r.request_id], concurrent, cuts.get(r.request_id))
         if hop is not None:
             hops.append(hop)
     return round(max(hops), 2) if hops else None
@@ -185,14 +184,14 @@ def hop_parts(parked_at: float | None, moments: dict[str, Any], client_first: fl
             "admitted_to_first_token": first - admitted, "first_token_to_client": client_first - first}
 
 
-def hop_breakdown(results: list[RequestResult], moved_tokens: dict[str, int], released: dict[str, int],
+def hop_breakdown(results: list[RequestResult], moved_tokens: dict[str, int], cuts: dict[str, int],
                   parked_at: float | None, takeovers: dict[str, dict[str, Any]],
                   wall_minus_perf: float) -> dict[str, float] | None:
     """`hop_parts`' median over the moved streams (by the router's request id in
     `moved_tokens` and `takeovers`); `wall_minus_perf` turns the client's
     `time.perf_counter()` arrivals into wall clock."""
     parts: dict[str, list[float]] = {k: [] for k in HOP_PARTS}
-    for r, span in _moved_spans(results, moved_tokens, released):
+    for r, span in _moved_spans(results, moved_tokens, cuts):
         got = hop_parts(parked_at, takeovers.get(r.request_id, {}), span[1] + wall_minus_perf)
         for k, v in (got or {}).items():
             parts[k].append(v)
@@ -262,7 +261,9 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
             moved = {i.split(".")[0] for i in last.get("migrated_ids", [])}
             # By the router's request id (a later hop's worker id is `<id>.tN` / `<id>.dN`).
             moved_tokens = {i.split(".")[0]: n for i, n in last.get("moved_tokens", {}).items()}
-            released = {i.split(".")[0]: n for i, n in (last.get("released_tokens") or {}).items()}
+            takeovers = _takeovers(client, dep) if moved else {}
+            # Live hand-overs: where the router cut over to the target (its first token's index).
+            cuts = {i: m["lead_index"] for i, m in takeovers.items() if i in moved and m.get("lead_index")}
             since = switch_at[0] if switch_at else None
             migrated_results = [r for r in results if r.request_id in moved]
             others = [r for r in results if r.request_id not in moved]
@@ -277,11 +278,11 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                    "requests": len(results), "failed": len(failed),
                    "max_added_gaps": _max_added(results, None),
                    "migrated_added_gaps": _max_added(migrated_results, since),
-                   "hop_added_gaps": _max_hop_gap(migrated_results, moved_tokens, released),
-                   "hop_net_gaps": _max_hop_gap(migrated_results, moved_tokens, released, others),
-                   "moved_live": len(released),
+                   "hop_added_gaps": _max_hop_gap(migrated_results, moved_tokens, cuts),
+                   "hop_net_gaps": _max_hop_gap(migrated_results, moved_tokens, cuts, others),
+                   "moved_live": len(cuts),
                    "hop_ms": None if not moved else hop_breakdown(
-                       migrated_results, moved_tokens, released, last.get("parked_at"), _takeovers(client, dep),
+                       migrated_results, moved_tokens, cuts, last.get("parked_at"), takeovers,
                        time.time() - time.perf_counter()),
                    "others_added_gaps": _max_added(others, since)}
             progress(f"  {label} ({'loaded' if loaded else 'idle'}): total {report['total_s'] * 1000:.1f} ms, "
