@@ -56,6 +56,9 @@ def add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-live-switch", action="store_true",
                    help="a P <-> D switch answers only after its decodes moved out (the reply then times the "
                         "whole migration), instead of as soon as the new role runs")
+    p.add_argument("--no-live-handover", action="store_true",
+                   help="a greedy or seeded decode moving out (switch, drain) parks at once, instead of "
+                        "decoding on here until its new instance takes over (make-before-break)")
     add_threads(p)
     add_compile_decode(p, "torch.compile the LM's norms and SiLU gate (falls back to eager if compiling fails)")
     p.add_argument("--decode-threads", type=int, default=2,

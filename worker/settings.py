@@ -32,6 +32,9 @@ class WorkerSettings(BaseModel):
     precopy_timeout_s: float = 0.25
     # P <-> D answers once the new role runs; the old decodes move out after (live_switch.py).
     live_switch: bool = True
+    # A greedy or seeded decode moving out keeps decoding here until its new instance takes
+    # over (make-before-break, worker/engine/token_feed.py); off: it parks at once.
+    live_handover: bool = True
     compile_decode: bool = False  # EngineConfig.compile_decode
     decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
     # Image jobs (one or two per stage run with images) running or queued before stage runs
@@ -93,6 +96,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "pull_timeout_s": min(20.0, args.lease_seconds * 0.66),
         "precopy_timeout_s": getattr(args, "precopy_timeout", 0.25),
         "live_switch": not getattr(args, "no_live_switch", False),
+        "live_handover": not getattr(args, "no_live_handover", False),
         "decode_threads": getattr(args, "decode_threads", 2),
         "video_decoder": getattr(args, "video_decoder", "auto"),
         "compile_decode": getattr(args, "compile_decode", False)})

@@ -89,7 +89,7 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
         req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
         # Make-before-break (token_feed.py): a decode that both instances would sample the
         # same way moves live; a takeover here is fed its source's tokens.
-        req.moves_live = Stage.DECODE in sreq.stages and sreq.sampling.n == 1 and (
+        req.moves_live = inst.settings.live_handover and Stage.DECODE in sreq.stages and sreq.sampling.n == 1 and (
             sreq.sampling.greedy or sreq.sampling.seed is not None)
         req.feed = inst.feeds.get(sreq.request_id)
         await _decode_videos(inst, sreq, req)
