@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from triptych.listen_socket import adopt
 from triptych.router.config import RouterConfig
 
 log = logging.getLogger("triptych.router.http_server")
@@ -84,6 +85,9 @@ def check_bind(host: str, config: RouterConfig, allow_no_api_key: bool) -> None:
                      "--api-key-file or TRIPTYCH_API_KEY, or --allow-no-api-key to serve it open")
 
 
-def run(app: Any, host: str, port: int, config: RouterConfig) -> None:
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=10,
-                http=protocol_for(config), limit_concurrency=config.limit_concurrency)
+def run(app: Any, host: str, port: int, config: RouterConfig, fd: int | None = None) -> None:
+    """Serve `app` on host:port, or on the inherited bound socket `fd` (listen_socket.py)."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           timeout_graceful_shutdown=10, http=protocol_for(config),
+                                           limit_concurrency=config.limit_concurrency))
+    server.run(sockets=[adopt(fd)] if fd is not None else None)

@@ -119,5 +119,5 @@ def cli_main(args: argparse.Namespace) -> int:
                               max_inflight=args.max_inflight_requests, max_instance_load=args.max_instance_load)
     check_bind(args.host, config, getattr(args, "allow_no_api_key", False))
     app = build(config, list(args.workers), chooser, orch, discovery=_discovery(args))
-    run(app, args.host, args.port, config)
+    run(app, args.host, args.port, config, getattr(args, "fd", None))
     return 0

@@ -128,6 +128,12 @@ def add_listen(p: argparse.ArgumentParser, port: int, port_help: str | None = No
     p.add_argument("--port", type=int, default=port, help=port_help)
 
 
+def add_inherited_socket(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--fd", type=int, default=None,
+                   help="serve on this inherited, already bound socket (a file descriptor; --host and --port "
+                        "then only name it): how `triptych serve` starts its processes (listen_socket.py)")
+
+
 def add_admin_token_file(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--admin-token-file", default=None, help=help)
 

@@ -15,6 +15,7 @@ from triptych.cli_args import (
     add_device,
     add_dtype,
     add_gpu,
+    add_inherited_socket,
     add_instance_cpus,
     add_internal_token_file,
     add_listen,
@@ -37,6 +38,7 @@ def add_worker(sub: argparse._SubParsersAction) -> None:
     add_model(p, None, None, required=True)
     p.add_argument("--role", choices=ROLE_CHOICES, default="unassigned")
     add_listen(p, 8100)
+    add_inherited_socket(p)
     p.add_argument("--instance-id", default=None)
     add_dtype(p)
     add_device(p)
@@ -88,6 +90,7 @@ def add_router(sub: argparse._SubParsersAction) -> None:
     add_model(p, None, "checkpoint directory (tokenizer, processor)", required=True)
     p.add_argument("--workers", nargs="*", default=[], help="worker URLs (static discovery)")
     add_listen(p, 8000)
+    add_inherited_socket(p)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", action="append", default=[],
                    help="accepted API key (repeatable; prefer --api-key-file or TRIPTYCH_API_KEY: argv is visible)")

@@ -24,6 +24,7 @@ import httpx
 
 from triptych.cpu_quota import PERIOD_US, DeploymentGroups, QuotaUnavailable, check_period_us, threads_for
 from triptych.http_ready import answers_ok
+from triptych.listen_socket import reserve
 from triptych.topology import UNASSIGNED, InstanceType, parse_topology
 
 log = logging.getLogger("triptych.local")
@@ -65,8 +66,22 @@ _HANDED_OUT: set[int] = set()  # ports free_port gave out in this process
 _PORT_LOCK = threading.Lock()
 
 
+def _without_listen(args: list[str]) -> list[str]:
+    """A process's arguments less its --port and --fd (and their values)."""
+    out, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("--port", "--fd"):
+            skip = True
+        else:
+            out.append(arg)
+    return out
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now that this process has not handed out before. The kernel may offer a
+    """A port free now that this process has not handed out before (for processes that bind
+    it themselves; local deployments hand theirs a bound socket, listen_socket.py). The kernel may offer a
     port again as soon as the probe closes it, and a child given a port binds it only after
     loading its model: two instances started one after the other got the same port (the
     second failed to bind, and the first answered the second's readiness probe)."""
@@ -215,7 +230,19 @@ class LocalDeployment:
                 f.write(str(os.getpid()))
         return join
 
-    def _spawn(self, name: str, args: list[str], port: int, capped: bool = False) -> Process:
+    def _spawn(self, name: str, args: list[str], port: int | socket.socket, capped: bool = False) -> Process:
+        """Start `triptych <args>` as `name`. `port`: a socket bound for it (listen_socket.py:
+        it serves on that one, inherited), or a port number it binds itself."""
+        if isinstance(port, socket.socket):
+            sock = port
+            try:
+                return self._popen(name, [*args, "--port", str(sock.getsockname()[1]), "--fd", str(sock.fileno())],
+                                   sock.getsockname()[1], capped, (sock.fileno(),))
+            finally:
+                sock.close()  # the child holds its own copy
+        return self._popen(name, [*args, "--port", str(port)], port, capped, ())
+
+    def _popen(self, name: str, args: list[str], port: int, capped: bool, pass_fds: tuple[int, ...]) -> Process:
         env = dict(os.environ)
         threads = str(self.threads_per_instance())
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TRIPTYCH_THREADS=threads)
@@ -229,15 +256,14 @@ class LocalDeployment:
         if self.die_with_parent:
             preexec = _with_parent_death_signal(preexec)
         popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                 preexec_fn=preexec)
+                                 preexec_fn=preexec, pass_fds=pass_fds)
         return Process(name=name, url=f"http://{self.host}:{port}", popen=popen)
 
     def start_worker(self, kind: InstanceType | str, index: int | str, port: int | None = None) -> Process:
-        port = port or free_port(self.host)
         args = ["worker", "--model", str(self.model), "--role", str(kind), "--host", self.host,
-                "--port", str(port), "--instance-id", f"{kind}-{index}",
+                "--instance-id", f"{kind}-{index}",
                 "--transfer-require", self.transfer_require, "--dtype", self.dtype, *self.worker_args]
-        proc = self._spawn(f"worker-{kind}-{index}", args, port, capped=True)
+        proc = self._spawn(f"worker-{kind}-{index}", args, port or reserve(self.host), capped=True)
         if str(kind) == UNASSIGNED:
             proc.ready_path = "/live"
         return proc
@@ -257,10 +283,9 @@ class LocalDeployment:
                     r = httpx.post(f"{proc.url}/admin/role", json={"role": UNASSIGNED}, headers=self.admin_headers,
                                    timeout=30)
                     r.raise_for_status()
-            port = self.port or free_port(self.host)
-            router_args = ["router", "--model", str(self.model), "--host", self.host, "--port", str(port),
+            router_args = ["router", "--model", str(self.model), "--host", self.host,
                            "--workers", *[w.url for w in workers], *self.router_args]
-            router = self._spawn("router", router_args, port)
+            router = self._spawn("router", router_args, self.port or reserve(self.host))
             self.processes.append(router)
             self.wait_ready([router])
         except BaseException:
@@ -270,12 +295,12 @@ class LocalDeployment:
 
     def restart_worker(self, proc: Process) -> Process:
         """Start a fresh process in place of `proc` (same role and port) and wait until ready."""
-        args = proc.popen.args[3:]  # after: python -m triptych.cli
+        args = _without_listen(list(proc.popen.args[3:]))  # after: python -m triptych.cli
         if proc.popen.poll() is None:
             proc.popen.kill()
             proc.popen.wait(timeout=10)
         port = int(proc.url.rsplit(":", 1)[1])
-        fresh = self._spawn(proc.name, list(args), port, capped=proc.name != "router")
+        fresh = self._spawn(proc.name, args, reserve(self.host, port), capped=proc.name != "router")
         self.processes[self.processes.index(proc)] = fresh
         self.wait_ready([fresh])
         return fresh
@@ -366,7 +391,7 @@ def start_planner(deployment: LocalDeployment, token_file: Path, port: int, extr
     spec = token_file.parent / "spawn-spec.json"
     SpawnSpec.of(deployment).write(spec)
     args = ["autoscale", "--router", deployment.router_url, "--admin-token-file", str(token_file),
-            "--spawn-spec", str(spec), "--host", deployment.host, "--port", str(port), *extra]
+            "--spawn-spec", str(spec), "--host", deployment.host, *extra]
     return deployment._spawn("planner", args, port)
 
 

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from triptych.listen_socket import adopt
 from triptych.stage_protocol import (
     STAGE_FRAME_TYPE,
     WORKER_KEEPALIVE_TIMEOUT_S,
@@ -203,5 +204,5 @@ def cli_main(args: argparse.Namespace) -> int:
     app = create_app(settings, auth)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30, timeout_keep_alive=WORKER_KEEPALIVE_TIMEOUT_S)
-    DrainingServer(config, app.state.instance).run()
+    DrainingServer(config, app.state.instance).run(sockets=[adopt(args.fd)] if args.fd is not None else None)
     return 0

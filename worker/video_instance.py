@@ -299,6 +299,8 @@ def cli_main(args: argparse.Namespace) -> int:
     """`triptych worker --role V`: the same flags and tokens as any worker."""
     import uvicorn
 
+    from triptych.listen_socket import adopt
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     sys.setswitchinterval(0.001)  # decoder threads and the event loop share the GIL
     settings = settings_from_args(args)
@@ -308,7 +310,7 @@ def cli_main(args: argparse.Namespace) -> int:
         raise SystemExit(str(exc)) from exc
     app = create_video_app(settings, auth)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=30)
-    DrainingServer(config, _Lazy(app)).run()
+    DrainingServer(config, _Lazy(app)).run(sockets=[adopt(args.fd)] if args.fd is not None else None)
     return 0
 
 
