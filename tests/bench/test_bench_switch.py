@@ -14,6 +14,7 @@ from triptych.bench.switch import (
     added_gaps,
     hop_breakdown,
     hop_gap,
+    hop_gap_at_target,
     hop_parts,
     hop_span,
 )
@@ -62,6 +63,17 @@ def test_a_live_hand_over_hops_where_the_router_cut_over() -> None:
     assert hop_gap(r, 10) == pytest.approx((0.01 - tpot) / tpot)  # the hand-over's own gap: none added
     assert hop_span(r, 10, cut=40) is None  # the stream never got there
     assert _max_hop_gap([r], {"moved": 10}, {"moved": 14}) == round((0.025 - tpot) / tpot, 2)
+
+
+def test_the_hop_counted_in_the_streams_gaps_at_its_new_instance() -> None:
+    # 10 ms gaps before the hop, a 60 ms hop after the 10th token, 20 ms gaps after it (the
+    # new instance runs a bigger batch): the hop is 2 of the new gaps more than one.
+    times = [0.1 + 0.01 * i for i in range(10)] + [0.25 + 0.02 * i for i in range(10)]
+    r = _stream(times)
+    assert hop_gap_at_target(r, 10) == pytest.approx((0.06 - 0.02) / 0.02)
+    assert hop_gap(r, 10) == pytest.approx((0.06 - r.tpot) / r.tpot)  # in the whole stream's TPOT
+    assert hop_gap_at_target(r, 19) is None  # no gap after its first token there
+    assert hop_gap_at_target(r, 30) is None  # never got that far
 
 
 def test_the_net_hop_gap_discounts_a_stall_every_stream_had_at_the_hop() -> None:

@@ -26,7 +26,9 @@ had streamed when it moved) less one TPOT, in TPOTs (the largest over the moved 
 `hop net` is the same less, instead of one TPOT, the pause the streams that did not move had
 at that moment where it is longer (their median gap spanning the hop's middle): on shared cores every stream
 stalls together at times (the router relays nothing for tens of ms while the workers run),
-and `hop net` is what the hop added beyond such a stall. `hop ms` splits a moved stream's hop
+and `hop net` is what the hop added beyond such a stall; `hop gaps (new TPOT)` counts the same gap in
+the stream's TPOT at its new instance (the mean of its next 8 gaps: a move into a bigger batch
+slows the stream for good, which is capacity, not the hop). `hop ms` splits a moved stream's hop
 (the median over the moved streams, ms): from the source's park until the target read the
 hand-over, until it handed the decode to its engine, until its first token left, until the
 client had it (`hop_parts`; the targets' `/admin/stats` `recent_takeovers`). `hand-over ms`: from the switch's start until the
@@ -40,7 +42,7 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +139,24 @@ def hop_gap(result: RequestResult, moved_tokens: int, concurrent: float = 0.0,
     return None if longest is None else (longest - max(tpot, concurrent)) / tpot
 
 
+LOCAL_GAPS = 8  # the gaps after a hop that give the stream's TPOT at its new instance
+
+
+def hop_gap_at_target(result: RequestResult, moved_tokens: int, cut: int | None = None) -> float | None:
+    """The hop's gap (`hop_span`) less the stream's TPOT at its new instance, in those TPOTs:
+    the mean of its next `LOCAL_GAPS` gaps. Where the move lands the decode in a bigger
+    batch, its gaps grow for good (the instance's capacity, not the hop); this counts the
+    hop in the stream's gaps as they are from then on. None without a hop or gaps after it."""
+    times = _arrivals(result)
+    span = hop_span(result, moved_tokens, cut)
+    if span is None:
+        return None
+    first_new = moved_tokens if cut is None else cut  # the new instance's first token (hop_span)
+    after = min(LOCAL_GAPS, len(times) - 1 - first_new)
+    local = (times[first_new + after] - times[first_new]) / after if after else 0.0
+    return None if local <= 0 else (span[1] - span[0] - local) / local
+
+
 def _moved_spans(results: list[RequestResult], moved_tokens: dict[str, int], cuts: dict[str, int]) -> Iterator[
         tuple[RequestResult, tuple[float, float]]]:
     """Each moved stream (by request id in `moved_tokens`) that got past its hop, with the
@@ -213,6 +233,11 @@ def _takeovers(client: httpx.Client, dep: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _max_of(values: Iterable[float | None]) -> float | None:
+    got = [v for v in values if v is not None]
+    return round(max(got), 2) if got else None
+
+
 def _max_added(results: list[RequestResult], since: float | None) -> float | None:
     added = [a for a in (added_gaps(r, since) for r in results if r.ok) if a is not None]
     return round(max(added), 2) if added else None
@@ -280,6 +305,8 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                    "migrated_added_gaps": _max_added(migrated_results, since),
                    "hop_added_gaps": _max_hop_gap(migrated_results, moved_tokens, cuts),
                    "hop_net_gaps": _max_hop_gap(migrated_results, moved_tokens, cuts, others),
+                   "hop_target_gaps": _max_of(hop_gap_at_target(r, moved_tokens[r.request_id], cuts.get(r.request_id))
+                                              for r, _ in _moved_spans(migrated_results, moved_tokens, cuts)),
                    "moved_live": len(cuts),
                    "hop_ms": None if not moved else hop_breakdown(
                        migrated_results, moved_tokens, cuts, last.get("parked_at"), takeovers,
@@ -335,7 +362,8 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 def format_table(report: dict[str, Any]) -> str:
     head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated (live)",
             "hand-over ms",
-            "handed back", "failed", "hop gaps", "hop net", "hop ms: hand-over/admit/token/client", "migrated gaps",
+            "handed back", "failed", "hop gaps", "hop net", "hop gaps (new TPOT)", "hop ms: hand-over/admit/token/client",
+            "migrated gaps",
             "others' gaps", "max added gaps")
     rows = [head]
     for r in report["switches"]:
@@ -344,7 +372,7 @@ def format_table(report: dict[str, Any]) -> str:
                      fmt(r["migrate_s"], 1000, 1), fmt(r["onload_s"], 1000, 1), fmt(r["total_s"], 1000, 1),
                      f"{r['migrated']} ({r.get('moved_live', 0)})", fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
                      str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
-                     fmt(r["hop_added_gaps"], 1, 2), fmt(r.get("hop_net_gaps"), 1, 2),
+                     fmt(r["hop_added_gaps"], 1, 2), fmt(r.get("hop_net_gaps"), 1, 2), fmt(r.get("hop_target_gaps"), 1, 2),
                      "/".join(fmt(r["hop_ms"][k], 1000, 1) for k in HOP_PARTS) if r.get("hop_ms") else "-",
                      fmt(r["migrated_added_gaps"], 1, 2),
                      fmt(r["others_added_gaps"], 1, 2),
