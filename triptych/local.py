@@ -234,10 +234,10 @@ class LocalDeployment:
         """Start `triptych <args>` as `name`. `port`: a socket bound for it (listen_socket.py:
         it serves on that one, inherited), or a port number it binds itself."""
         if isinstance(port, socket.socket):
-            sock = port
+            sock, number = port, port.getsockname()[1]
             try:
-                return self._popen(name, [*args, "--port", str(sock.getsockname()[1]), "--fd", str(sock.fileno())],
-                                   sock.getsockname()[1], capped, (sock.fileno(),))
+                return self._popen(name, [*args, "--port", str(number), "--fd", str(sock.fileno())], number, capped,
+                                   (sock.fileno(),))
             finally:
                 sock.close()  # the child holds its own copy
         return self._popen(name, [*args, "--port", str(port)], port, capped, ())

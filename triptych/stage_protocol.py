@@ -301,8 +301,9 @@ class TokensEvent(BaseModel):
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
     index: int = 0  # the choice (n > 1)
-    # The output index of token_ids[0]: sent by a decode fed its source's tokens (a
-    # make-before-break migration, FeedRequest), whose tokens the router merges by index.
+    # The output index of token_ids[0]: sent by a live takeover (a make-before-break
+    # migration), whose first event is an empty one (the decode is in its engine) and whose
+    # tokens the router takes by index from the cut-over on (router/overlap.py).
     start: int | None = Field(default=None, ge=0)
 
 
@@ -320,9 +321,9 @@ class MigratingEvent(BaseModel):
     kv: KVSource
     index: int = 0  # the choice (n > 1)
     # Make-before-break: the instance goes on decoding the stream (its tokens keep coming
-    # here) until the router closes it; the router feeds those tokens to the decode's next
-    # instance (FeedRequest) and closes this stream once that instance streams a token of
-    # its own. A router that cannot merge two streams closes it at once.
+    # here) until the router closes it, right after a token it relayed once the decode's
+    # next instance is ready; that instance gets the tokens relayed since (FeedRequest with
+    # `lead`) and samples on. A router with no takeover for the decode closes it at once.
     live: bool = False
 
 
@@ -348,7 +349,7 @@ class FeedRequest(BaseModel):
 class HandOver(KVSource):
     """A takeover's second line (router/takeover.py): the decode's KV as its source handed
     it over; `live`: the source goes on decoding (make-before-break), and the takeover
-    follows the tokens it is fed until the router cuts over (`FeedRequest.lead`)."""
+    samples nothing until the router cuts over (`FeedRequest.lead`)."""
 
     live: bool = False
 

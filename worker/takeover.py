@@ -32,6 +32,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -96,12 +97,11 @@ def feed(inst: InstanceRuntime, body: FeedRequest) -> bool:
     if token_feed is None:
         return False
     token_feed.put(body.start, body.token_ids, body.lead)
-    for moments in reversed(inst.takeovers):
-        if moments["request_id"] == body.request_id:
-            moments["fed_tokens"] += len(body.token_ids)
-            if body.lead:  # the cut-over: the stream's tokens from this index on are ours
-                moments["led_at"], moments["lead_index"] = time.time(), body.start + len(body.token_ids)
-            break
+    moments = _moments(inst, body.request_id)
+    if moments is not None:
+        moments["fed_tokens"] += len(body.token_ids)
+        if body.lead:  # the cut-over: the stream's tokens from this index on are ours
+            moments["led_at"], moments["lead_index"] = time.time(), body.start + len(body.token_ids)
     if inst.engine is not None:
         inst.engine.driver.wake()
     return True
@@ -112,10 +112,14 @@ def mark(inst: InstanceRuntime, request_id: str, moment: str) -> None:
     `admitted_at`, its KV pulled and the decode handed to the engine; `first_token_at`, its
     first token here on the way to the router. Nothing for a decode hop that was no
     takeover."""
-    for moments in reversed(inst.takeovers):
-        if moments["request_id"] == request_id:
-            moments[moment] = moments.get(moment) or time.time()
-            return
+    moments = _moments(inst, request_id)
+    if moments is not None:
+        moments[moment] = moments.get(moment) or time.time()
+
+
+def _moments(inst: InstanceRuntime, request_id: str) -> dict[str, Any] | None:
+    """The record of the latest takeover of `request_id` here (None: none kept)."""
+    return next((m for m in reversed(inst.takeovers) if m["request_id"] == request_id), None)
 
 
 async def _precopy(inst: InstanceRuntime, sreq: StageRequest, kv: KVSource) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -96,14 +97,20 @@ def _decoding_with_precopy_offered(model_dir: Path, src: Side) -> tuple[Request,
     return req, _precopy_offer(src, "x")
 
 
+def _uninterrupted(model_dir: Path, temperature: float) -> tuple[Any, Any, SamplingParams, Request]:
+    """A text case, its sampling (greedy, or seeded), and its uninterrupted run on one engine."""
+    proc = processor(model_dir)
+    case = next(c for c in make_cases(8) if not c.images)
+    params = SamplingParams(temperature=temperature, seed=91, max_tokens=24, ignore_eos=True)
+    (whole,) = _engine(model_dir).generate_batch([to_request(proc, case, "w", params, stages=PD)])
+    return proc, case, params, whole
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 async def test_a_precopied_decode_pulls_only_its_last_blocks_and_continues_exactly(
         qwen2_vl_dir: Path, pair: tuple[Side, Side], temperature: float) -> None:
     src, dst = pair
-    proc = processor(qwen2_vl_dir)
-    case = next(c for c in make_cases(8) if not c.images)
-    params = SamplingParams(temperature=temperature, seed=91, max_tokens=24, ignore_eos=True)
-    (whole,) = _engine(qwen2_vl_dir).generate_batch([to_request(proc, case, "w", params, stages=PD)])
+    proc, case, params, whole = _uninterrupted(qwen2_vl_dir, temperature)
 
     req = to_request(proc, case, "x", params, stages=PD)
     src.engine.add_request(req)
@@ -269,15 +276,12 @@ def test_a_takeover_without_its_hand_over_is_refused_and_holds_nothing(qwen2_vl_
 async def test_a_decode_handed_over_live_goes_on_at_its_source_while_its_target_follows_then_leads(
         qwen2_vl_dir: Path, pair: tuple[Side, Side], temperature: float) -> None:
     """Make-before-break (worker/engine/token_feed.py): the source hands the decode over
-    with its KV as of now and keeps decoding; the target pulls that KV and follows the
+    with its KV as of now and keeps decoding; the target pulls that KV and is fed the
     tokens the source sampled since (their KV computed, nothing sampled, nothing emitted);
     after the cut-over (the lead) it samples from there on exactly the tokens of an
     uninterrupted run."""
     src, dst = pair
-    proc = processor(qwen2_vl_dir)
-    case = next(c for c in make_cases(8) if not c.images)
-    params = SamplingParams(temperature=temperature, seed=91, max_tokens=24, ignore_eos=True)
-    (whole,) = _engine(qwen2_vl_dir).generate_batch([to_request(proc, case, "w", params, stages=PD)])
+    proc, case, params, whole = _uninterrupted(qwen2_vl_dir, temperature)
 
     req = to_request(proc, case, "x", params, stages=PD)
     req.moves_live = True
