@@ -235,6 +235,8 @@ def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutp
     tokens = out.new_token_ids[skip:]
     if tokens:
         events.append(_tokens_event(tokens, out, req))
+    elif out.followed:  # a takeover caught up with the tokens fed to it: it holds this many
+        events.append(TokensEvent(token_ids=[], start=out.num_output_tokens))
     if out.finished:
         reason = out.finish_reason.value if out.finish_reason else "abort"
         events.append(FinishedEvent(finish_reason=reason, timings=out.timings or {}))
@@ -268,7 +270,7 @@ def merge_tokens(events: list[BaseModel]) -> list[BaseModel]:
     for event in events:
         last = merged[-1] if merged else None
         if isinstance(event, TokensEvent) and isinstance(last, TokensEvent) and last.index == event.index \
-                and (last.logprobs is None) == (event.logprobs is None):
+                and last.token_ids and (last.logprobs is None) == (event.logprobs is None):  # not a progress one
             merged[-1] = TokensEvent(token_ids=[*last.token_ids, *event.token_ids], index=event.index,
                                      logprobs=None if event.logprobs is None else [*(last.logprobs or []),
                                                                                    *event.logprobs],
