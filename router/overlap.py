@@ -100,7 +100,8 @@ class Overlap:
                 due, self._cut_due = self._cut_due, False
                 if self._ready and "target" not in self._gone:
                     if "source" in self._gone or due and self._may_cut():
-                        if await self.takeover.feed(self.handed_over, self.relayed, lead=True):
+                        start = self.target_holds  # what it lacks: the lead's step computes it
+                        if await self.takeover.feed(start, self.relayed[start - self.handed_over:], lead=True):
                             self.took_over = True
                             return
                         self._let_go("target", "it did not take the lead")

@@ -305,7 +305,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
                 events += events_for(migration, sreq, out, skip, req, engine)
                 if out.finished and out.timings:
                     observe_stages(engine.role.value, set(sreq.stages), out.timings)
-            if awaiting_first and any(isinstance(e, TokensEvent) for e in events):
+            if awaiting_first and any(isinstance(e, TokensEvent) and e.token_ids for e in events):
                 awaiting_first = False
                 takeover.mark(inst, sreq.request_id, "first_token_at")
             yield b"".join(_line(event) for event in merge_tokens(events))

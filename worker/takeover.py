@@ -72,7 +72,7 @@ async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRe
 async def _receive(inst: InstanceRuntime, sreq: StageRequest, lines: AsyncIterator[bytes]) -> StageRequest:
     moments = {"request_id": sreq.request_id, "opened_at": time.time(), "precopied_at": None,
                "handed_over_at": None, "admitted_at": None, "first_token_at": None, "fed_tokens": 0,
-               "led_at": None, "lead_index": None}
+               "feeds": 0, "led_at": None, "lead_index": None}
     inst.takeovers.append(moments)
     await _precopy(inst, sreq, sreq.kv_source)
     moments["precopied_at"] = time.time()
@@ -100,6 +100,7 @@ def feed(inst: InstanceRuntime, body: FeedRequest) -> bool:
     moments = _moments(inst, body.request_id)
     if moments is not None:
         moments["fed_tokens"] += len(body.token_ids)
+        moments["feeds"] += 1  # catch-up rounds, and the lead
         if body.lead:  # the cut-over: the stream's tokens from this index on are ours
             moments["led_at"], moments["lead_index"] = time.time(), body.start + len(body.token_ids)
     if inst.engine is not None:
