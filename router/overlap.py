@@ -62,6 +62,7 @@ class Overlap:
         self.catch_ups = 0  # feeds sent before the cut
         self._feeding: asyncio.Task[bool] | None = None  # the catch-up feed the target has not confirmed
         self._fed_to = 0  # the output index that feed ends at
+        self._round_behind = 1 << 30  # tokens the target lacked when the last round was sent
         self._gone: set[str] = set()  # sides no longer read
         self._cut_due = False  # a token was just relayed from the source, the target ready
 
@@ -101,12 +102,13 @@ class Overlap:
                 if self._ready and "target" not in self._gone:
                     if "source" in self._gone or due and self._may_cut():
                         start = self.target_holds  # what it lacks: the lead's step computes it
+                        log.info("overlap of %s: cut over, the target lacking %d after %d catch-ups",
+                                 self.takeover.request_id, self.next_index - start, self.catch_ups)
                         if await self.takeover.feed(start, self.relayed[start - self.handed_over:], lead=True):
                             self.took_over = True
                             return
                         self._let_go("target", "it did not take the lead")
-                    elif self._feeding is None and self.catch_ups < MAX_CATCH_UPS \
-                            and self.next_index - self.target_holds > CUT_BEHIND:
+                    elif self._feeding is None and self._rounds_pay():
                         self._catch_up()
                 for r in [r for r, s in reads.items() if s in self._gone]:
                     r.cancel()
@@ -130,12 +132,19 @@ class Overlap:
         if feeding is not None and feeding.done() and not feeding.result():
             self._let_go("target", "it did not take the tokens fed to it")
             return False
+        return feeding is None and not self._rounds_pay() or self.catch_ups >= MAX_CATCH_UPS
+
+    def _rounds_pay(self) -> bool:
+        """Whether another catch-up round is worth it: the target lacks more than CUT_BEHIND
+        tokens, and fewer than when the last round was sent (a target whose steps are slower
+        than the source's stays a few behind, however many rounds it gets)."""
         behind = self.next_index - self.target_holds
-        return feeding is None and behind <= CUT_BEHIND or self.catch_ups >= MAX_CATCH_UPS
+        return CUT_BEHIND < behind < self._round_behind and self.catch_ups < MAX_CATCH_UPS
 
     def _catch_up(self) -> None:
         """Feed the target what it lacks, without the lead; its next empty event says it is in."""
         start, self._fed_to = self.target_holds, self.next_index
+        self._round_behind = self._fed_to - start
         self.catch_ups += 1
         self._feeding = asyncio.ensure_future(self.takeover.feed(start, self.relayed[start - self.handed_over:]))
 

@@ -133,15 +133,31 @@ async def test_catching_up_is_bounded_and_a_target_that_refuses_a_feed_is_let_go
         lambda: source.put(tokens([109])), lambda: source.put(FinishedEvent(finish_reason="length")),
     ])
     assert len(got) == 5 and overlap.finished_by is SOURCE and len(target.fed) == 1 and target.led == []
-    # Rounds confirmed but never close enough (a target slower than its source): the cut after MAX_CATCH_UPS.
+    # A round that leaves the target as far behind (its steps slower than the source's): no
+    # more rounds, the cut comes right after the next token.
     source, target = Stream(), FakeTakeover()
     overlap = overlap_of(target)
-    steps = [lambda: source.put(*behind), lambda: target.put(READY)]  # the first round
-    for i in range(MAX_CATCH_UPS):  # the source streams 4 more before each round is in
-        steps += [lambda i=i: source.put(*[tokens([200 + 10 * i + j]) for j in range(4)]),
+    await _drain(overlap, source, [
+        lambda: source.put(*behind), lambda: target.put(READY),  # lacks 4: a round
+        lambda: source.put(*[tokens([200 + j]) for j in range(4)]),  # 4 more while it runs
+        lambda: target.put(TokensEvent(token_ids=[], start=overlap._fed_to)),  # in; lacks 4 again
+        lambda: source.put(tokens([300]), tokens([301])),
+    ])
+    assert overlap.took_over and overlap.catch_ups == 1 and target.led == [(9, [200, 201, 202, 203, 300])]
+    # Rounds that keep gaining stop after MAX_CATCH_UPS.
+    source, target = Stream(), FakeTakeover()
+    overlap = overlap_of(target)
+    steps = [lambda: source.put(*[tokens([400 + j]) for j in range(20)]), lambda: target.put(READY)]
+    for i, more in enumerate((15, 10, 6, 5)):  # streamed while each round runs: fewer each time
+        steps += [lambda i=i, more=more: source.put(*[tokens([500 + 20 * i + j]) for j in range(more)]),
                   lambda: target.put(TokensEvent(token_ids=[], start=overlap._fed_to))]
+    steps.append(lambda: source.put(tokens([600])))
     await _drain(overlap, source, steps)
-    assert overlap.took_over and overlap.catch_ups == MAX_CATCH_UPS and len(target.led) == 1
+    assert overlap.took_over and overlap.catch_ups == MAX_CATCH_UPS and len(target.fed) == MAX_CATCH_UPS
+    # The cut came at the first token after the last round was sent (not waiting for it): the
+    # lead brings every token from what the target was known to hold to the client's last.
+    start, led = target.led[0]
+    assert start == target.fed[-1][0] and start + len(led) == overlap.next_index
     # A catch-up feed the target refuses: it is let go at the next token, the source finishes.
     source, target = Stream(), FakeTakeover(refuses_feeds=True)
     overlap = overlap_of(target)
