@@ -38,11 +38,12 @@ from triptych.topology import Stage
 log = logging.getLogger("triptych.router.overlap")
 
 # The cut waits until the target lacks at most this many tokens (the one just relayed
-# included): the cut's step computes them with the next sample, about the cost of a plain
-# decode step. Catching up from further behind (one step per round; the tokens the source
-# streamed meanwhile go in the next) happens before the cut, off the client's stream; after
-# MAX_CATCH_UPS rounds it cuts anyway.
-CUT_BEHIND = 3
+# included): the cut's step computes them with the next sample. Catching up from further
+# behind (one step per round; the tokens the source streamed meanwhile go in the next)
+# happens before the cut, off the client's stream, and so does the first step with the
+# moved decode in the target's batch (a batch of a new size costs the step that first runs
+# it more: docs/benchmarks.md); after MAX_CATCH_UPS rounds it cuts anyway.
+CUT_BEHIND = 1
 MAX_CATCH_UPS = 4
 
 
