@@ -38,12 +38,13 @@ from triptych.topology import Stage
 log = logging.getLogger("triptych.router.overlap")
 
 # The cut waits until the target lacks at most this many tokens (the one just relayed
-# included): the cut's step computes them with the next sample. Catching up from further
-# behind (one step per round; the tokens the source streamed meanwhile go in the next)
-# happens before the cut, off the client's stream, and so does the first step with the
-# moved decode in the target's batch (a batch of a new size costs the step that first runs
-# it more: docs/benchmarks.md); after MAX_CATCH_UPS rounds it cuts anyway.
-CUT_BEHIND = 1
+# included): the cut's step computes them with the next sample, about the cost of a plain
+# decode step. Catching up from further behind (one step per round; the tokens the source
+# streamed meanwhile go in the next) happens before the cut, off the client's stream; after
+# MAX_CATCH_UPS rounds it cuts anyway. Not lower: a round costs the target a feed call and a
+# step, and on a busy target that is several of the source's tokens (with 1, rounds began at
+# 2-4 tokens behind and left 7 of 14 moved decodes 9 behind at the cut; docs/benchmarks.md).
+CUT_BEHIND = 3
 MAX_CATCH_UPS = 4
 
 

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from triptych.router.overlap import CUT_BEHIND, MAX_CATCH_UPS, Overlap
+from triptych.router.overlap import MAX_CATCH_UPS, Overlap
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageFailure
 from triptych.stage_protocol import FinishedEvent, KVSource, MigratingEvent, StageEvent, TokensEvent
@@ -95,13 +95,14 @@ async def test_the_source_streams_through_the_hop_and_the_cut_follows_its_first_
     source, target = Stream(), FakeTakeover()
     overlap = overlap_of(target)
     got = await _drain(overlap, source, [
-        lambda: target.put(READY),  # pulled and admitted: following, holding what the client has
-        lambda: source.put(tokens([105])),  # relayed, then the cut (it lacks this one)
+        lambda: source.put(tokens([105])),
+        lambda: target.put(READY),  # pulled and admitted: following, one token behind
+        lambda: source.put(tokens([106])),  # relayed, then the cut (it lacks two)
     ])
-    assert got == [[105]] and CUT_BEHIND == 1
-    assert overlap.took_over and overlap.finished is None and overlap.next_index == 6
-    # Every token the client got since the hand-over (index 5 on): the target samples index 6 on.
-    assert target.led == [(5, [105])] and target.fed == [] and not target.closed
+    assert got == [[105], [106]]
+    assert overlap.took_over and overlap.finished is None and overlap.next_index == 7
+    # Every token the client got since the hand-over (index 5 on): the target samples index 7 on.
+    assert target.led == [(5, [105, 106])] and target.fed == [] and not target.closed
 
 
 async def test_a_target_far_behind_is_caught_up_before_the_cut_while_the_client_reads_the_source():
@@ -115,13 +116,11 @@ async def test_a_target_far_behind_is_caught_up_before_the_cut_while_the_client_
         lambda: target.put(READY),  # holds 5 tokens; the client has 9: a catch-up round
         lambda: source.put(tokens([109])),  # no cut: the round is not in yet
         lambda: target.put(TokensEvent(token_ids=[], start=9)),  # computed 105-108: lacks 109
-        lambda: source.put(tokens([110])),  # lacks 2: fewer than the round began with, another
-        lambda: target.put(TokensEvent(token_ids=[], start=11)),  # in: it lacks nothing
-        lambda: source.put(tokens([111])),  # lacks 1: the cut, right after this token
+        lambda: source.put(tokens([110])),  # lacks 2: the cut, right after this token
     ])
-    assert got == [[105], [106, 107], [108], [109], [110], [111]] and overlap.took_over
-    assert target.fed == [(5, [105, 106, 107, 108]), (9, [109, 110])] and overlap.catch_ups == 2
-    assert target.led == [(11, [111])]  # from what it holds: the cut's step computes one more
+    assert got == [[105], [106, 107], [108], [109], [110]] and overlap.took_over
+    assert target.fed == [(5, [105, 106, 107, 108])] and overlap.catch_ups == 1
+    assert target.led == [(9, [109, 110])]  # from what it holds: the cut's step computes 2 tokens
 
 
 async def test_catching_up_is_bounded_and_a_target_that_refuses_a_feed_is_let_go():
