@@ -34,7 +34,7 @@ class Relay:
     def tokens(self, event: object) -> list[TokenEvent]:
         if isinstance(event, MigratingEvent):
             self.migrated[event.index] = event.kv
-        elif isinstance(event, TokensEvent) and event.token_ids:  # an empty one: a takeover's progress
+        elif isinstance(event, TokensEvent):
             return [TokenEvent(token_ids=event.token_ids, index=event.index, logprobs=event.logprobs)]
         return []
 

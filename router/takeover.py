@@ -11,9 +11,9 @@ event once the source stops the decode. The stop-and-copy then costs one line on
 connection and a pull of the last, partial block(s) — not a new hop and all of the KV.
 
 A source that hands the decode over live (`MigratingEvent.live`: make-before-break) keeps
-decoding while the target pulls; `feed` sends the target the tokens the source streamed
-since the hand-over (`POST /internal/feed`), to catch up or, with `lead`, to cut over
-(router/overlap.py): the target samples from there on.
+decoding while the target pulls; `feed` with `lead` cuts over (router/overlap.py): it
+sends the target the tokens the source streamed since the hand-over (`POST
+/internal/feed`), from which the target samples on.
 
 A takeover that is never handed over (the decode finished at its source, the client went
 away, or the chosen instance no longer takes decodes) is closed: its connection drops and
@@ -81,7 +81,8 @@ class Takeover:
         """Tokens the source streamed since a live hand-over (output indices from `start`)
         for the target to follow (router/overlap.py); with `lead`, the cut-over: the target
         samples after them. False when the target did not take them (it cannot lead: the
-        source must finish the decode)."""
+        source must finish the decode). Without `lead` the target computes their KV and
+        samples nothing (worker/engine/token_feed.py)."""
         body = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=lead)
         try:
             resp = await self._client.post(f"{self.target.url}/internal/feed", content=body.model_dump_json(),

@@ -235,8 +235,6 @@ def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutp
     tokens = out.new_token_ids[skip:]
     if tokens:
         events.append(_tokens_event(tokens, out, req))
-    elif out.followed:  # a takeover caught up with the tokens fed to it: it holds this many
-        events.append(TokensEvent(token_ids=[], start=out.num_output_tokens))
     if out.finished:
         reason = out.finish_reason.value if out.finish_reason else "abort"
         events.append(FinishedEvent(finish_reason=reason, timings=out.timings or {}))
@@ -270,7 +268,7 @@ def merge_tokens(events: list[BaseModel]) -> list[BaseModel]:
     for event in events:
         last = merged[-1] if merged else None
         if isinstance(event, TokensEvent) and isinstance(last, TokensEvent) and last.index == event.index \
-                and last.token_ids and (last.logprobs is None) == (event.logprobs is None):  # not a progress one
+                and (last.logprobs is None) == (event.logprobs is None):
             merged[-1] = TokensEvent(token_ids=[*last.token_ids, *event.token_ids], index=event.index,
                                      logprobs=None if event.logprobs is None else [*(last.logprobs or []),
                                                                                    *event.logprobs],
@@ -305,7 +303,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
                 events += events_for(migration, sreq, out, skip, req, engine)
                 if out.finished and out.timings:
                     observe_stages(engine.role.value, set(sreq.stages), out.timings)
-            if awaiting_first and any(isinstance(e, TokensEvent) and e.token_ids for e in events):
+            if awaiting_first and any(isinstance(e, TokensEvent) for e in events):
                 awaiting_first = False
                 takeover.mark(inst, sreq.request_id, "first_token_at")
             yield b"".join(_line(event) for event in merge_tokens(events))

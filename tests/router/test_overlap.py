@@ -1,8 +1,7 @@
 """Make-before-break (router/overlap.py): a decode handed over live keeps streaming from
-its source while its takeover pulls the KV; once the target is ready, the overlap feeds it
-what it lacks until it is at most CUT_BEHIND tokens behind, then cuts over right after a
-token from the source, leading the target with every token the client got since the
-hand-over. The client gets every output index once, in order."""
+its source while its takeover pulls the KV; once the target is ready, the overlap cuts
+over right after a token from the source, leading the target with every token the client
+got since the hand-over. The client gets every output index once, in order."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from triptych.router.overlap import MAX_CATCH_UPS, Overlap
+from triptych.router.overlap import Overlap
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageFailure
 from triptych.stage_protocol import FinishedEvent, KVSource, MigratingEvent, StageEvent, TokensEvent
@@ -48,17 +47,17 @@ class Stream:
 class FakeTakeover(Stream):
     target, request_id = TARGET, "req.t1"
 
-    def __init__(self, refuses_lead: bool = False, refuses_feeds: bool = False) -> None:
+    def __init__(self, refuses_lead: bool = False) -> None:
         super().__init__()
         self.led: list[tuple[int, list[int]]] = []
-        self.fed: list[tuple[int, list[int]]] = []  # catch-up feeds (no lead)
         self.closed = False
-        self.refuses_lead, self.refuses_feeds = refuses_lead, refuses_feeds
+        self.refuses_lead = refuses_lead
         self.unread_items: list[object] = []
 
     async def feed(self, start: int, token_ids: list[int], lead: bool = False) -> bool:
-        (self.led if lead else self.fed).append((start, list(token_ids)))
-        return not (self.refuses_lead if lead else self.refuses_feeds)
+        assert lead  # the overlap feeds once, at the cut
+        self.led.append((start, list(token_ids)))
+        return not self.refuses_lead
 
     def unread(self, item: object) -> None:
         self.unread_items.append(item)
@@ -96,76 +95,14 @@ async def test_the_source_streams_through_the_hop_and_the_cut_follows_its_first_
     overlap = overlap_of(target)
     got = await _drain(overlap, source, [
         lambda: source.put(tokens([105])),
-        lambda: target.put(READY),  # pulled and admitted: following, one token behind
-        lambda: source.put(tokens([106])),  # relayed, then the cut (it lacks two)
+        lambda: source.put(tokens([106, 107])),
+        lambda: target.put(READY),  # pulled and admitted: following
+        lambda: source.put(tokens([108])),  # relayed, then the cut
     ])
-    assert got == [[105], [106]]
-    assert overlap.took_over and overlap.finished is None and overlap.next_index == 7
-    # Every token the client got since the hand-over (index 5 on): the target samples index 7 on.
-    assert target.led == [(5, [105, 106])] and target.fed == [] and not target.closed
-
-
-async def test_a_target_far_behind_is_caught_up_before_the_cut_while_the_client_reads_the_source():
-    """Tokens the source streamed during the pull and admission are fed without the lead
-    (the target computes them off the client's stream, and says so with an empty event);
-    the cut waits until the target lacks at most CUT_BEHIND tokens."""
-    source, target = Stream(), FakeTakeover()
-    overlap = overlap_of(target)
-    got = await _drain(overlap, source, [
-        lambda: source.put(tokens([105]), tokens([106, 107]), tokens([108])),
-        lambda: target.put(READY),  # holds 5 tokens; the client has 9: a catch-up round
-        lambda: source.put(tokens([109])),  # no cut: the round is not in yet
-        lambda: target.put(TokensEvent(token_ids=[], start=9)),  # computed 105-108: lacks 109
-        lambda: source.put(tokens([110])),  # lacks 2: the cut, right after this token
-    ])
-    assert got == [[105], [106, 107], [108], [109], [110]] and overlap.took_over
-    assert target.fed == [(5, [105, 106, 107, 108])] and overlap.catch_ups == 1
-    assert target.led == [(9, [109, 110])]  # from what it holds: the cut's step computes 2 tokens
-
-
-async def test_catching_up_is_bounded_and_a_target_that_refuses_a_feed_is_let_go():
-    # A round the target never confirms: no cut; the source finishing first ends the request.
-    source, target = Stream(), FakeTakeover()
-    overlap = overlap_of(target)
-    behind = [tokens([100 + i]) for i in range(5, 9)]
-    got = await _drain(overlap, source, [
-        lambda: source.put(*behind), lambda: target.put(READY),
-        lambda: source.put(tokens([109])), lambda: source.put(FinishedEvent(finish_reason="length")),
-    ])
-    assert len(got) == 5 and overlap.finished_by is SOURCE and len(target.fed) == 1 and target.led == []
-    # A round that leaves the target as far behind (its steps slower than the source's): no
-    # more rounds, the cut comes right after the next token.
-    source, target = Stream(), FakeTakeover()
-    overlap = overlap_of(target)
-    await _drain(overlap, source, [
-        lambda: source.put(*behind), lambda: target.put(READY),  # lacks 4: a round
-        lambda: source.put(*[tokens([200 + j]) for j in range(4)]),  # 4 more while it runs
-        lambda: target.put(TokensEvent(token_ids=[], start=overlap._fed_to)),  # in; lacks 4 again
-        lambda: source.put(tokens([300]), tokens([301])),
-    ])
-    assert overlap.took_over and overlap.catch_ups == 1 and target.led == [(9, [200, 201, 202, 203, 300])]
-    # Rounds that keep gaining stop after MAX_CATCH_UPS.
-    source, target = Stream(), FakeTakeover()
-    overlap = overlap_of(target)
-    steps = [lambda: source.put(*[tokens([400 + j]) for j in range(20)]), lambda: target.put(READY)]
-    for i, more in enumerate((15, 10, 6, 5)):  # streamed while each round runs: fewer each time
-        steps += [lambda i=i, more=more: source.put(*[tokens([500 + 20 * i + j]) for j in range(more)]),
-                  lambda: target.put(TokensEvent(token_ids=[], start=overlap._fed_to))]
-    steps.append(lambda: source.put(tokens([600])))
-    await _drain(overlap, source, steps)
-    assert overlap.took_over and overlap.catch_ups == MAX_CATCH_UPS and len(target.fed) == MAX_CATCH_UPS
-    # The cut came at the first token after the last round was sent (not waiting for it): the
-    # lead brings every token from what the target was known to hold to the client's last.
-    start, led = target.led[0]
-    assert start == target.fed[-1][0] and start + len(led) == overlap.next_index
-    # A catch-up feed the target refuses: it is let go at the next token, the source finishes.
-    source, target = Stream(), FakeTakeover(refuses_feeds=True)
-    overlap = overlap_of(target)
-    got = await _drain(overlap, source, [
-        lambda: source.put(*behind), lambda: target.put(READY),
-        lambda: source.put(tokens([109])), lambda: source.put(tokens([110]), FinishedEvent(finish_reason="stop")),
-    ])
-    assert target.closed and target.led == [] and overlap.finished_by is SOURCE and not overlap.took_over
+    assert got == [[105], [106, 107], [108]]
+    assert overlap.took_over and overlap.finished is None and overlap.next_index == 9
+    # Every token the client got since the hand-over (index 5 on): the target samples index 9 on.
+    assert target.led == [(5, [105, 106, 107, 108])] and not target.closed
 
 
 async def test_what_the_target_streams_while_the_lead_is_in_flight_is_left_for_the_caller():

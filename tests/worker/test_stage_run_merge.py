@@ -20,11 +20,3 @@ def test_logprobs_merge_with_their_tokens() -> None:
     lps = [TokenLogprob(token=t, logprob=-1.0 * t) for t in (1, 2)]
     merged = merge_tokens([TokensEvent(token_ids=[1], logprobs=lps[:1]), TokensEvent(token_ids=[2], logprobs=lps[1:])])
     assert len(merged) == 1 and merged[0].token_ids == [1, 2] and merged[0].logprobs == lps
-
-
-def test_a_takeovers_progress_event_is_not_merged_into_the_tokens_after_it() -> None:
-    """An empty event with `start` (a following takeover holds that many tokens) keeps its
-    place: merging the tokens after it would give them its index."""
-    progress = TokensEvent(token_ids=[], start=9)
-    merged = merge_tokens([progress, TokensEvent(token_ids=[5], start=11)])
-    assert merged == [progress, TokensEvent(token_ids=[5], start=11)]

@@ -69,8 +69,6 @@ class OutputProcessor:
             got = sampled.get(id(req))
             if got is None:
                 update_status(req, running=True)
-                if req.feed is not None and req.prefill_done:  # following: the fed tokens are in
-                    outputs.append(self.output(req, followed=True))
                 continue
             if not req.prefill_done:
                 req.prefill_done = True
@@ -216,7 +214,7 @@ class OutputProcessor:
         return self.output(req, finished=True)
 
     def output(self, req: Request, new_ids: list[int] | None = None, *, finished: bool = False,
-               handoff: Handoff | None = None, followed: bool = False) -> RequestOutput:
+               handoff: Handoff | None = None) -> RequestOutput:
         """The delta since the request's last output."""
         if new_ids is None:
             new_ids = req.output_token_ids[req.sent_token_len:]
@@ -231,7 +229,7 @@ class OutputProcessor:
             request_id=req.request_id, new_token_ids=list(new_ids), new_text=new_text, finished=finished,
             finish_reason=req.finish_reason, error=req.error, handoff=handoff, logprobs=lps,
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(req.output_token_ids),
-            timings=req.timings.as_dict() if finished else None, followed=followed)
+            timings=req.timings.as_dict() if finished else None)
 
     @staticmethod
     def _add_text(req: Request, token: int, *, last: bool, check: bool) -> bool:

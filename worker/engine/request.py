@@ -165,7 +165,6 @@ class RequestOutput:
     handoff: Handoff | None = None
     logprobs: list[dict[str, Any]] | None = None
     precopy: bool = False  # offer this decode's full KV blocks for a pre-copy (Engine.precopy)
-    followed: bool = False  # a decode following its source computed the tokens fed to it (token_feed.py)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: dict[str, float] | None = None
