@@ -9,7 +9,8 @@ after decoding, not reserved when the work is accepted).
 
 `NvdecBackend` (NVDEC through PyNvVideoCodec) is the GPU path. PyNvVideoCodec raises
 RuntimeError at import on a machine without a GPU, so it is imported lazily and both
-(ImportError, RuntimeError) mean "not available here".
+(ImportError, RuntimeError) mean "not available here". It takes NVDEC's NV12 and converts
+on the GPU with swscale's arithmetic (yuv.py), so its pixels equal PyAV's.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 from .demux import open_container
 from .errors import CorruptVideoError
 from .segments import GopTask, Segment
+from .yuv import nv12_to_rgb
 
 
 @dataclass
@@ -123,6 +125,8 @@ class NvdecBackend:
     keyframe before it, then decodes forward: Alg. 1 lines 6-18 inside the library), so
     the video's bytes are written once to a private temporary file per video id. One
     SimpleDecoder per (thread, video): NVDEC sessions are not shared between threads.
+    It outputs NV12 (decoding is bit-exact), converted to RGB by `yuv.nv12_to_rgb` with
+    the stream's colour matrix and range, as PyAV converts: NVDEC's own RGB differs.
     """
 
     name = "nvdec"
@@ -131,6 +135,7 @@ class NvdecBackend:
         self._nvc = _import_nvc()
         self.gpu_id = gpu_id
         self._files: dict[str, str] = {}
+        self._colours: dict[str, tuple[int, int]] = {}  # file -> (colorspace, color_range)
         # (thread, file) -> SimpleDecoder; one table (not thread-locals) so that `release`
         # closes every thread's decoder of a video, not only the calling thread's.
         self._decoders: dict[tuple[int, str], Any] = {}
@@ -144,6 +149,7 @@ class NvdecBackend:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                 self._files[video_id] = path
+                self._colours[path] = _colour(data)
             return path
 
     def _decoder(self, path: str) -> Any:
@@ -153,7 +159,7 @@ class NvdecBackend:
         if decoder is None:
             decoder = self._nvc.SimpleDecoder(
                 path, gpu_id=self.gpu_id, use_device_memory=True,
-                output_color_type=self._nvc.OutputColorType.RGB)
+                output_color_type=self._nvc.OutputColorType.NATIVE)
             with self._lock:
                 self._decoders[key] = decoder
         return decoder
@@ -161,7 +167,8 @@ class NvdecBackend:
     def decode(self, data: bytes, segment: Segment) -> DecodedSegment:
         import torch
 
-        decoder = self._decoder(self._path(data, segment.video_id))
+        path = self._path(data, segment.video_id)
+        decoder = self._decoder(path)
         try:
             raw = decoder.get_batch_frames_by_index(segment.frame_indices)
         except (RuntimeError, ValueError) as exc:
@@ -169,13 +176,15 @@ class NvdecBackend:
         if len(raw) != len(segment.frame_indices):
             raise CorruptVideoError(f"NVDEC returned {len(raw)} of {len(segment.frame_indices)} frames")
         # §3.4: the output tensor is allocated after the segment is decoded.
-        frames = torch.stack([torch.from_dlpack(f) for f in raw])
+        colour = self._colours.get(path, (2, 0))
+        frames = torch.stack([nv12_to_rgb(torch.from_dlpack(f), *colour) for f in raw])
         return DecodedSegment(segment.index, segment.frame_indices, frames)
 
     def release(self, video_id: str) -> None:
         """Forget a finished video: its temporary file goes (decoders reopen if it comes back)."""
         with self._lock:
             path = self._files.pop(video_id, None)
+            self._colours.pop(path or "", None)
             if path:
                 for key in [k for k in self._decoders if k[1] == path]:
                     del self._decoders[key]  # a decode running on it keeps its own reference
@@ -188,6 +197,17 @@ class NvdecBackend:
             held = list(self._files)
         for vid in held:
             self.release(vid)
+
+
+def _colour(data: bytes) -> tuple[int, int]:
+    """The video stream's colour matrix and range (AVColorSpace, AVColorRange), as PyAV
+    reads them from the container (what its RGB conversion uses)."""
+    container = open_container(data)
+    try:
+        context = container.streams.video[0].codec_context
+        return int(context.colorspace), int(context.color_range)
+    finally:
+        container.close()
 
 
 def make_backend(kind: str = "auto", gpu_id: int = 0) -> DecoderBackend:
