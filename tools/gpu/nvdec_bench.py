@@ -18,11 +18,6 @@ t = time.monotonic()
 data = bench_clip(W, H, SECONDS, FPS, GOP).read_bytes()
 print(f"clip {W}x{H} {SECONDS}s {FPS}fps gop{GOP}: {len(data)} bytes, made in {time.monotonic() - t:.1f} s")
 index = index_video(data)
-try:  # what NVDEC hands over before the conversion (worker/video/yuv.py)
-    raw = NvdecBackend()._decoder(NvdecBackend()._path(data, "probe")).get_batch_frames_by_index([0])[0]
-    print("NVDEC NV12 frame:", tuple(torch.from_dlpack(raw).shape), torch.from_dlpack(raw).dtype)
-except Exception as exc:  # no GPU here: the PyAV rows still run
-    print("NVDEC:", exc)
 
 
 def run(backend, segments, threads):
