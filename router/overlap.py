@@ -86,7 +86,7 @@ class Overlap:
                 if self._ready and "target" not in self._gone and ("source" in self._gone or due):
                     log.info("overlap of %s: cut over after %d tokens from the source",
                              self.takeover.request_id, len(self.relayed))
-                    if await self.takeover.feed(self.handed_over, self.relayed, lead=True):
+                    if await self.takeover.lead(self.handed_over, self.relayed):
                         self.took_over = True
                         return
                     self._let_go("target", "it did not take the lead")

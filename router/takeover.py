@@ -11,9 +11,9 @@ event once the source stops the decode. The stop-and-copy then costs one line on
 connection and a pull of the last, partial block(s) — not a new hop and all of the KV.
 
 A source that hands the decode over live (`MigratingEvent.live`: make-before-break) keeps
-decoding while the target pulls; `feed` with `lead` cuts over (router/overlap.py): it
-sends the target the tokens the source streamed since the hand-over (`POST
-/internal/feed`), from which the target samples on.
+decoding while the target pulls; `lead` cuts over (router/overlap.py): it sends the target
+the tokens the source streamed since the hand-over (`POST /internal/feed`), from which the
+target samples on.
 
 A takeover that is never handed over (the decode finished at its source, the client went
 away, or the chosen instance no longer takes decodes) is closed: its connection drops and
@@ -36,7 +36,7 @@ from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent,
 
 log = logging.getLogger("triptych.router.takeover")
 
-FEED_TIMEOUT_S = 2.0  # a feed's call; a target that did not take one is never cut over to
+FEED_TIMEOUT_S = 2.0  # the cut-over's call; a target that did not take it is never cut over to
 
 END = object()  # what `events` ends at (also for `unread`)
 
@@ -77,18 +77,17 @@ class Takeover:
                 raise item
             yield item  # type: ignore[misc]
 
-    async def feed(self, start: int, token_ids: list[int], lead: bool = False) -> bool:
-        """Tokens the source streamed since a live hand-over (output indices from `start`)
-        for the target to follow (router/overlap.py); with `lead`, the cut-over: the target
-        samples after them. False when the target did not take them (it cannot lead: the
-        source must finish the decode). Without `lead` the target computes their KV and
-        samples nothing (worker/engine/token_feed.py)."""
-        body = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=lead)
+    async def lead(self, start: int, token_ids: list[int]) -> bool:
+        """The cut-over of a live hand-over (router/overlap.py): the tokens the source
+        streamed since the hand-over (output indices from `start`), after which the target
+        samples. False when the target did not take it (it cannot lead: the source must
+        finish the decode)."""
+        body = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=True)
         try:
             resp = await self._client.post(f"{self.target.url}/internal/feed", content=body.model_dump_json(),
                                            headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
         except httpx.HTTPError as exc:
-            log.info("feed of %s to %s failed: %s", self.request_id, self.target.url, exc)
+            log.info("lead of %s on %s failed: %s", self.request_id, self.target.url, exc)
             return False
         return resp.status_code == 204
 

@@ -100,7 +100,7 @@ def feed(inst: InstanceRuntime, body: FeedRequest) -> bool:
     moments = _moments(inst, body.request_id)
     if moments is not None:
         moments["fed_tokens"] += len(body.token_ids)
-        moments["feeds"] += 1  # catch-up rounds, and the lead
+        moments["feeds"] += 1  # calls it took (the lead is one)
         if body.lead:  # the cut-over: the stream's tokens from this index on are ours
             moments["led_at"], moments["lead_index"] = time.time(), body.start + len(body.token_ids)
     if inst.engine is not None:

@@ -54,8 +54,7 @@ class FakeTakeover(Stream):
         self.refuses_lead = refuses_lead
         self.unread_items: list[object] = []
 
-    async def feed(self, start: int, token_ids: list[int], lead: bool = False) -> bool:
-        assert lead  # the overlap feeds once, at the cut
+    async def lead(self, start: int, token_ids: list[int]) -> bool:
         self.led.append((start, list(token_ids)))
         return not self.refuses_lead
 
@@ -109,10 +108,10 @@ async def test_what_the_target_streams_while_the_lead_is_in_flight_is_left_for_t
     """The target may sample its first token before the lead's call returns: that event
     is put back on the takeover (the caller reads it next), never dropped."""
     class QuickTarget(FakeTakeover):
-        async def feed(self, start: int, token_ids: list[int], lead: bool = False) -> bool:
+        async def lead(self, start: int, token_ids: list[int]) -> bool:
             self.put(tokens([106], start=6))  # sampled at once from the lead
             await asyncio.sleep(0.05)
-            return await super().feed(start, token_ids, lead)
+            return await super().lead(start, token_ids)
 
     source, target = Stream(), QuickTarget()
     overlap = overlap_of(target)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,8 +19,9 @@ from engine_cases import make_cases, processor, to_request
 from polling import eventually
 
 from triptych.sampling_params import SamplingParams
-from triptych.stage_protocol import KVSource
+from triptych.stage_protocol import FeedRequest, KVSource
 from triptych.topology import InstanceType, Stage
+from triptych.worker import takeover
 from triptych.worker.engine import Engine, EngineConfig, PrefilledKV, RequestStatus
 from triptych.worker.engine.request import FinishReason, Request
 from triptych.worker.engine.token_feed import TokenFeed
@@ -336,3 +338,17 @@ def test_a_token_feed_gives_the_tokens_that_extend_the_decode_in_order() -> None
     assert feed.following(9)  # no cut yet
     feed.put(9, [90], lead=True)  # the last token the source streamed, and the cut
     assert feed.lead_at == 10 and feed.following(9) and not feed.following(10)
+
+
+def test_a_feed_reaches_only_a_live_takeover_and_is_recorded_in_its_moments() -> None:
+    """`POST /internal/feed`'s handler (worker/takeover.feed): tokens for a live takeover here
+    go to its feed; its `recent_takeovers` record counts them and the calls, and the lead says
+    from which output index the stream is this instance's."""
+    moments = {"request_id": "r.t1", "fed_tokens": 0, "feeds": 0, "led_at": None, "lead_index": None}
+    inst = SimpleNamespace(feeds={"r.t1": TokenFeed()}, takeovers=[moments], engine=None)
+    assert not takeover.feed(inst, FeedRequest(request_id="other", start=5, token_ids=[1]))
+    assert takeover.feed(inst, FeedRequest(request_id="r.t1", start=5, token_ids=[50, 51]))
+    assert takeover.feed(inst, FeedRequest(request_id="r.t1", start=7, token_ids=[52], lead=True))
+    assert inst.feeds["r.t1"].take([0, 1, 2, 3, 4]) == [50, 51, 52] and inst.feeds["r.t1"].lead_at == 8
+    assert moments["fed_tokens"] == 3 and moments["feeds"] == 2 and moments["lead_index"] == 8
+    assert moments["led_at"] is not None
