@@ -63,6 +63,17 @@ def test_the_conversion_equals_pyavs_bit_for_bit(size: tuple[int, int], x264: st
     assert not np.array_equal(yuv420_to_rgb(y, u, v, other, color_range).numpy(), want)
 
 
+def test_stacked_nv12_frames_convert_as_each_alone() -> None:
+    container = av.open(io.BytesIO(_clip(96, 64, ":colormatrix=bt709")))
+    frames = list(container.decode(video=0))
+    nv12 = torch.stack([torch.cat([y, torch.stack([u, v], -1).reshape(u.shape[0], -1)])
+                        for y, u, v in map(_planes, frames)])
+    got = nv12_to_rgb(nv12, 1, 1).numpy()
+    assert got.shape == (len(frames), 64, 96, 3)
+    for one, frame in zip(got, frames, strict=True):
+        assert np.array_equal(one, frame.to_ndarray(format="rgb24"))
+
+
 def test_an_nv12_frame_without_its_chroma_rows_is_refused() -> None:
     with pytest.raises(ValueError, match="3/2 rows"):
         nv12_to_rgb(torch.zeros(64, 96, dtype=torch.uint8))

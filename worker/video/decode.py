@@ -177,7 +177,7 @@ class NvdecBackend:
             raise CorruptVideoError(f"NVDEC returned {len(raw)} of {len(segment.frame_indices)} frames")
         # §3.4: the output tensor is allocated after the segment is decoded.
         colour = self._colours.get(path, (2, 0))
-        frames = torch.stack([nv12_to_rgb(torch.from_dlpack(f), *colour) for f in raw])
+        frames = nv12_to_rgb(torch.stack([_nv12(torch.from_dlpack(f)) for f in raw]), *colour)
         return DecodedSegment(segment.index, segment.frame_indices, frames)
 
     def release(self, video_id: str) -> None:
@@ -197,6 +197,11 @@ class NvdecBackend:
             held = list(self._files)
         for vid in held:
             self.release(vid)
+
+
+def _nv12(frame: Any) -> Any:
+    """An NV12 frame as [H * 3/2, W] (DLPack may add a trailing channel axis of 1)."""
+    return frame[..., 0] if frame.dim() == 3 and frame.shape[-1] == 1 else frame
 
 
 def _colour(data: bytes) -> tuple[int, int]:

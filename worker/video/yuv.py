@@ -58,12 +58,11 @@ def yuv420_to_rgb(y: torch.Tensor, u: torch.Tensor, v: torch.Tensor, colorspace:
 
 
 def nv12_to_rgb(nv12: torch.Tensor, colorspace: int = 2, color_range: int = 0) -> torch.Tensor:
-    """One NV12 frame [H * 3/2, W] (the luma plane, then interleaved U/V rows) -> [H, W, 3]."""
-    if nv12.dim() == 3 and nv12.shape[-1] == 1:
-        nv12 = nv12[..., 0]
-    rows, width = nv12.shape
+    """NV12 frames [..., H * 3/2, W] (the luma plane, then interleaved U/V rows) -> [..., H, W, 3]:
+    a segment's frames stacked convert in one pass (a few kernels, not a few per frame)."""
+    rows, width = nv12.shape[-2:]
     if rows % 3:
         raise ValueError(f"an NV12 frame has H * 3/2 rows, not {rows}")
     height = rows * 2 // 3
-    uv = nv12[height:].reshape(height // 2, width // 2, 2)
-    return yuv420_to_rgb(nv12[:height], uv[..., 0], uv[..., 1], colorspace, color_range)
+    uv = nv12[..., height:, :].reshape(*nv12.shape[:-2], height // 2, width // 2, 2)
+    return yuv420_to_rgb(nv12[..., :height, :], uv[..., 0], uv[..., 1], colorspace, color_range)
