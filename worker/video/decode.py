@@ -26,7 +26,6 @@ import numpy as np
 from .demux import open_container
 from .errors import CorruptVideoError
 from .segments import GopTask, Segment
-from .yuv import nv12_to_rgb
 
 
 @dataclass
@@ -166,6 +165,8 @@ class NvdecBackend:
 
     def decode(self, data: bytes, segment: Segment) -> DecodedSegment:
         import torch
+
+        from .yuv import nv12_to_rgb  # torch: never imported where the router reads this module
 
         path = self._path(data, segment.video_id)
         decoder = self._decoder(path)
