@@ -39,6 +39,11 @@ def _planes(frame: av.VideoFrame) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
             torch.from_numpy(v.reshape(h // 2, w // 2).copy()))
 
 
+def _nv12(y: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The planes in NVDEC's layout: luma rows, then rows of interleaved U and V."""
+    return torch.cat([y, torch.stack([u, v], -1).reshape(u.shape[0], -1)])
+
+
 @pytest.mark.parametrize(("size", "x264", "colorspace", "color_range"), [
     ((96, 64), "", 2, 0),  # untagged: BT.601, limited range
     ((70, 46), "", 2, 0),  # a width that is no multiple of 16
@@ -56,8 +61,7 @@ def test_the_conversion_equals_pyavs_bit_for_bit(size: tuple[int, int], x264: st
         y, u, v = _planes(frame)
         got = yuv420_to_rgb(y, u, v, frame.colorspace, frame.color_range).numpy()
         assert got.dtype == np.uint8 and np.array_equal(got, want)
-        nv12 = torch.cat([y, torch.stack([u, v], -1).reshape(u.shape[0], -1)])  # NVDEC's layout
-        assert np.array_equal(nv12_to_rgb(nv12, frame.colorspace, frame.color_range).numpy(), want)
+        assert np.array_equal(nv12_to_rgb(_nv12(y, u, v), frame.colorspace, frame.color_range).numpy(), want)
     # Another matrix than the stream's gives other pixels (the test can fail).
     other = 1 if colorspace != 1 else 2
     assert not np.array_equal(yuv420_to_rgb(y, u, v, other, color_range).numpy(), want)
@@ -66,8 +70,7 @@ def test_the_conversion_equals_pyavs_bit_for_bit(size: tuple[int, int], x264: st
 def test_stacked_nv12_frames_convert_as_each_alone() -> None:
     container = av.open(io.BytesIO(_clip(96, 64, ":colormatrix=bt709")))
     frames = list(container.decode(video=0))
-    nv12 = torch.stack([torch.cat([y, torch.stack([u, v], -1).reshape(u.shape[0], -1)])
-                        for y, u, v in map(_planes, frames)])
+    nv12 = torch.stack([_nv12(*_planes(frame)) for frame in frames])
     got = nv12_to_rgb(nv12, 1, 1).numpy()
     assert got.shape == (len(frames), 64, 96, 3)
     for one, frame in zip(got, frames, strict=True):

@@ -133,23 +133,22 @@ class NvdecBackend:
     def __init__(self, gpu_id: int = 0) -> None:
         self._nvc = _import_nvc()
         self.gpu_id = gpu_id
-        self._files: dict[str, str] = {}
-        self._colours: dict[str, tuple[int, int]] = {}  # file -> (colorspace, color_range)
+        # video id -> its temporary file and (colorspace, color_range), read once with it
+        self._files: dict[str, tuple[str, tuple[int, int]]] = {}
         # (thread, file) -> SimpleDecoder; one table (not thread-locals) so that `release`
         # closes every thread's decoder of a video, not only the calling thread's.
         self._decoders: dict[tuple[int, str], Any] = {}
         self._lock = threading.Lock()
 
-    def _path(self, data: bytes, video_id: str) -> str:
+    def _file(self, data: bytes, video_id: str) -> tuple[str, tuple[int, int]]:
         with self._lock:
-            path = self._files.get(video_id)
-            if path is None:
+            entry = self._files.get(video_id)
+            if entry is None:
                 fd, path = tempfile.mkstemp(prefix="triptych-video-", suffix=".bin")
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
-                self._files[video_id] = path
-                self._colours[path] = _colour(data)
-            return path
+                entry = self._files[video_id] = (path, _colour(data))
+            return entry
 
     def _decoder(self, path: str) -> Any:
         key = (threading.get_ident(), path)
@@ -168,7 +167,7 @@ class NvdecBackend:
 
         from .yuv import nv12_to_rgb  # torch: never imported where the router reads this module
 
-        path = self._path(data, segment.video_id)
+        path, colour = self._file(data, segment.video_id)
         decoder = self._decoder(path)
         try:
             raw = decoder.get_batch_frames_by_index(segment.frame_indices)
@@ -177,15 +176,13 @@ class NvdecBackend:
         if len(raw) != len(segment.frame_indices):
             raise CorruptVideoError(f"NVDEC returned {len(raw)} of {len(segment.frame_indices)} frames")
         # §3.4: the output tensor is allocated after the segment is decoded.
-        colour = self._colours.get(path, (2, 0))
         frames = nv12_to_rgb(torch.stack([_nv12(torch.from_dlpack(f)) for f in raw]), *colour)
         return DecodedSegment(segment.index, segment.frame_indices, frames)
 
     def release(self, video_id: str) -> None:
         """Forget a finished video: its temporary file goes (decoders reopen if it comes back)."""
         with self._lock:
-            path = self._files.pop(video_id, None)
-            self._colours.pop(path or "", None)
+            path = self._files.pop(video_id, (None,))[0]
             if path:
                 for key in [k for k in self._decoders if k[1] == path]:
                     del self._decoders[key]  # a decode running on it keeps its own reference
