@@ -96,11 +96,15 @@ def test_health_stays_fast_while_decoding_8_large_images(encoder) -> None:
     # 100 ms, plus the machine's own noise: the worst idle probe just before (a few ms on a
     # quiet machine; on a shared, overloaded one an idle probe alone can take 200 ms).
     # Decoding on the event loop stalls it for whole image decodes (~0.3 s each, 8 in a row).
+    # One probe may still be caught by a hiccup of the shared machine itself (CI saw a single
+    # 140 ms probe among 122 of ~5 ms); decoding on the loop stalls every probe it overlaps,
+    # so the second-worst probe is what must stay inside the budget.
     budget = 0.1 + max(idle)
-    print(f"\n/health while decoding 8 large images: max {max(latencies) * 1000:.1f} ms over {len(latencies)} probes; idle max {max(idle) * 1000:.1f} ms")
-    assert max(latencies) < budget, (f"max /health {max(latencies) * 1000:.0f} ms over {len(latencies)} probes "
-                                     f"in {elapsed:.1f}s; idle max {max(idle) * 1000:.0f} ms",
-                                     sorted(latencies)[-5:])
+    second_worst = sorted(latencies)[-2]
+    print(f"\n/health while decoding 8 large images: max {max(latencies) * 1000:.1f} ms, second {second_worst * 1000:.1f} ms "
+          f"over {len(latencies)} probes; idle max {max(idle) * 1000:.1f} ms")
+    assert second_worst < budget, (f"second-worst /health {second_worst * 1000:.0f} ms over {len(latencies)} probes "
+                                   f"in {elapsed:.1f}s; idle max {max(idle) * 1000:.0f} ms", sorted(latencies)[-5:])
     assert elapsed > 1.0 and len(latencies) >= 20, (elapsed, len(latencies))  # it did decode meanwhile
 
 
