@@ -4,6 +4,7 @@ seek rule per codec, stall-free scheduling, and a typed error for each kind of b
 from __future__ import annotations
 
 import io
+import os
 import threading
 import time
 from functools import cache
@@ -279,3 +280,24 @@ def test_nvdec_frames_match_the_sampled_indices() -> None:
     ref = reference("h264-fixed-gop")[[f for s in segments for f in s.frame_indices]]
     # NV12 from NVDEC, converted with swscale's arithmetic (yuv.py): PyAV's pixels exactly.
     assert frames.shape == ref.shape and np.array_equal(frames, ref), np.abs(frames.astype(int) - ref).mean()
+
+
+def test_nvdec_backend_keeps_one_file_per_video_and_releases_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The NVDEC backend's bookkeeping, on the CPU (PyNvVideoCodec stubbed out): one
+    temporary file and colour per video however often its segments come, and `release`
+    drops that file and every thread's decoder of it, once."""
+    monkeypatch.setattr(decode_module, "_import_nvc", lambda: None)
+    backend = NvdecBackend()
+    data = clip("h264-fixed-gop")
+    path, colour = backend._file(data, "v1")
+    assert open(path, "rb").read() == data and colour == (2, 0)  # untagged: unspecified matrix, range
+    assert backend._file(b"other bytes", "v1") == (path, colour)  # written once
+    other, _ = backend._file(data, "v2")
+    assert other != path
+    backend._decoders.update({(1, path): object(), (2, path): object(), (1, other): object()})
+    backend.release("v1")
+    backend.release("v1")  # already gone: nothing to do
+    backend.release("never seen")
+    assert not os.path.exists(path) and list(backend._decoders) == [(1, other)]
+    backend.close()
+    assert not os.path.exists(other) and backend._files == {}

@@ -182,12 +182,13 @@ class NvdecBackend:
     def release(self, video_id: str) -> None:
         """Forget a finished video: its temporary file goes (decoders reopen if it comes back)."""
         with self._lock:
-            path = self._files.pop(video_id, (None,))[0]
-            if path:
-                for key in [k for k in self._decoders if k[1] == path]:
-                    del self._decoders[key]  # a decode running on it keeps its own reference
-        if path:
-            os.unlink(path)
+            entry = self._files.pop(video_id, None)
+            if entry is None:
+                return
+            path = entry[0]
+            for key in [k for k in self._decoders if k[1] == path]:
+                del self._decoders[key]  # a decode running on it keeps its own reference
+        os.unlink(path)
 
     def close(self) -> None:
         """Every video's temporary file and decoder go (the instance shuts down)."""
