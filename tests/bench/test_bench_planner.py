@@ -164,9 +164,14 @@ def test_simulate_validate_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     profile = tmp_path / "profile.json"
     roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100").save(profile)
     argv = ["bench", "simulate-validate", "--topologies", "EPD", "--rates", "2", "--num-requests", "3",
-            "--output-tokens", "4", "--profile", str(profile), "--instance-cpus", "1", "--json"]
+            "--output-tokens", "4", "--profile", str(profile), "--instance-cpus", "1", "--json",
+            "--out-json", str(tmp_path / "sv.json")]
     assert main(argv) == 0
-    rows = json.loads(capsys.readouterr().out)["rows"]
+    out = capsys.readouterr()
+    rows = json.loads(out.out)["rows"]
+    # The topology's table went to stderr as soon as it was measured, before the report.
+    assert "TTFT p50" in out.err and "TPOT p90" in out.err
+    assert json.loads((tmp_path / "sv.json").read_text())["complete"] is True
     assert len(rows) == 1 and rows[0]["completed"] == 3
     assert rows[0]["measured_ttft_p50_s"] > 0 and rows[0]["simulated_ttft_p50_s"] > 0
     assert rows[0]["error_ttft_p50_s"] is not None

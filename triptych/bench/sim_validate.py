@@ -439,17 +439,31 @@ def cli_main(args: argparse.Namespace) -> int:
             progress(f"measuring a profile of {model_dir.name} at {args.instance_cpus} CPUs -> {out}")
             profile = measure_profile(model_dir, out, args.instance_cpus)
         trace = make_trace(args)
-        rows = [row for spec, topo in topologies.items()
-                for row in run_topology(spec, topo, model_dir, profile, trace, args)]
+        rows: list[dict[str, Any]] = []
+        for spec, topo in topologies.items():
+            done = run_topology(spec, topo, model_dir, profile, trace, args)
+            rows.extend(done)
+            # Each topology's table as soon as it is measured (and the JSON so far): a run cut
+            # short by a time limit still leaves what it compared.
+            progress(format_table(done))
+            save(args, profile, rows, complete=False)
     except BenchError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = {"rows": rows, "profile_source": profile.source, "instance_cpus": args.instance_cpus,
-              "priority": args.priority, "repeats": args.repeats, "workload": {
-                  "num_requests": args.num_requests, "images_per_request": args.images_per_request,
-                  "image_size": list(args.image_size), "prompt_tokens": args.prompt_tokens,
-                  "output_tokens": args.output_tokens}}
-    if args.out_json:
-        Path(args.out_json).write_text(json.dumps(result, indent=2) + "\n")
+    result = save(args, profile, rows, complete=True)
     print(json.dumps(result, indent=2) if args.json else format_table(rows))
     return 0
+
+
+def save(args: argparse.Namespace, profile: StepProfile, rows: list[dict[str, Any]], *,
+         complete: bool) -> dict[str, Any]:
+    """The result document, written to --out-json when given; `complete` is false while
+    topologies remain."""
+    result = {"rows": rows, "complete": complete, "profile_source": profile.source,
+              "instance_cpus": args.instance_cpus, "priority": args.priority, "repeats": args.repeats,
+              "workload": {"num_requests": args.num_requests, "images_per_request": args.images_per_request,
+                           "image_size": list(args.image_size), "prompt_tokens": args.prompt_tokens,
+                           "output_tokens": args.output_tokens}}
+    if args.out_json:
+        Path(args.out_json).write_text(json.dumps(result, indent=2) + "\n")
+    return result
