@@ -144,6 +144,14 @@ def _check_request(state: RouterState, body: ChatCompletionRequest | CompletionR
     if unsupported:
         name, why = unsupported[0]
         raise InvalidRequestError(f"{name}: {why}", param=name, code="unsupported_parameter")
+    # Token ids the sampler would index with: refused here, with the field named, rather
+    # than by the worker after routing.
+    vocab = state.processor.vocab_size
+    for name, ids in (("logit_bias", [int(k) for k in body.logit_bias or {}]),
+                      ("stop_token_ids", body.stop_token_ids or [])):
+        bad = next((t for t in ids if t >= vocab), None)  # negative ids: SamplingParams says so
+        if bad is not None:
+            raise InvalidRequestError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})", param=name)
 
 
 def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int | None) -> SamplingParams:
