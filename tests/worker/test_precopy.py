@@ -222,6 +222,35 @@ def test_only_running_decodes_get_a_precopy_and_a_finished_one_holds_nothing(qwe
     assert req.status == RequestStatus.FINISHED and e.hold_full_kv("x") is None and e.kv.num_used == 0
 
 
+def test_a_decode_that_starts_after_the_precopy_request_is_told_too_once(qwen2_vl_dir: Path) -> None:
+    # A switch asks for the pre-copy while a decode's KV pull is still in flight; that
+    # decode joins the engine after the request and must offer its pre-copy as well (else
+    # it moves whole, with no takeover opened for it). Each decode is told once, until the
+    # decodes park; a change to a role that keeps its decodes ends it too.
+    proc = processor(qwen2_vl_dir)
+    cases = [c for c in make_cases(8) if not c.images][:2]
+    e = _engine(qwen2_vl_dir)
+    e.precopy()
+    e.step()
+    assert e.precopy_armed
+    e.set_role(InstanceType.PD)
+    assert not e.precopy_armed
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    first, late = (to_request(proc, c, rid, params, stages=PD) for c, rid in zip(cases, ("a", "b"), strict=True))
+    e.add_request(first)
+    _run_until(e, first, 3)
+    e.precopy()
+    assert [o.request_id for o in e.step() if o.precopy] == ["a"]
+    e.add_request(late)
+    told: list[str] = []
+    for _ in range(4):
+        told += [o.request_id for o in e.step() if o.precopy]
+    assert told == ["b"] and e.precopies_waiting() == 2
+    e.park_decodes()
+    e.step()
+    assert not e.precopy_armed and not e.precopy_told
+
+
 def test_a_change_that_drops_the_kv_cache_detaches_its_parked_decodes(qwen2_vl_dir: Path) -> None:
     """D -> E need not wait for its migrated decodes' pulls: set_role detaches them (the
     engine forgets them) and the dropped KV cache keeps their blocks as they were, for

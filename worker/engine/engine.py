@@ -91,7 +91,7 @@ class Engine(PulledBlocks, PreCopy):
         self._budget_pair = self._budgets()
         self._wire(Counters(), self.spec.eos_token_ids)
         self.migrating_out = False  # park every decode after its step (role switch / drain)
-        self.precopy_pending: set[str] = set()  # decodes told to offer a pre-copy, not yet offered
+        self.reset_precopy()
         self.driver = EngineDriver(self)
         self.stalled = False  # the last step found nothing it could run
 
@@ -124,6 +124,7 @@ class Engine(PulledBlocks, PreCopy):
             drained: list[RequestOutput] = []
             self._drain_inbox(drained)
             self.driver.deliver(drained)
+            self.precopy_armed = self.precopy_armed and not role.runs(Stage.DECODE)  # decodes that stay: no pre-copy
             # Hand-overs still parked (a migrated decode, a prefill's KV) wait for their pull
             # under a lease: they may stay across a change that keeps the language model and
             # its KV cache (P <-> D), in the same blocks, released on confirm or expiry.
@@ -245,8 +246,7 @@ class Engine(PulledBlocks, PreCopy):
         with self._lock:
             outputs.extend(self.output.process(batch, sampled))
             self.output.park_encoded(outputs)
-            if self.migrating_out:
-                outputs.extend(self._move_out_decodes())
+            outputs.extend(self._move_out_decodes() if self.migrating_out else self._late_precopies())
         return outputs
 
     def _schedule(self, outputs: list[RequestOutput]) -> ScheduledBatch:

@@ -30,9 +30,16 @@ class PreCopy:
     output: OutputProcessor
     scheduler: Scheduler
     precopy_pending: set[str]  # decodes told to offer a pre-copy, not yet offered
+    # Since `precopy()` until the decodes move out, every decode that starts here is told
+    # too (`precopy_told`: each once): one whose KV pull was in flight at the request.
+    precopy_armed: bool
+    precopy_told: set[str]
     _requests: dict[str, Request]
     _inbox: Any
     _lock: threading.RLock
+
+    def reset_precopy(self) -> None:
+        self.precopy_pending, self.precopy_armed, self.precopy_told = set(), False, set()
 
     def precopy(self) -> None:
         """Live-migration pre-copy (switch or drain about to move the decodes): every running
@@ -88,6 +95,7 @@ class PreCopy:
         whose stream can merge two instances' tokens is handed over live with its KV as of
         now held for the pull, and goes on decoding here until its stream lets go
         (make-before-break, token_feed.py); every other decode parks."""
+        self.precopy_armed, self.precopy_told = False, set()
         outputs = []
         for req in [r for r in self.scheduler.running if r.moves_live and not r.handed_over_live
                     and r.prefill_done and Stage.DECODE in r.stages]:
@@ -95,16 +103,23 @@ class PreCopy:
             outputs.append(self.output.hand_over_live(req, self._hold(req, req.num_computed_tokens)))
         return outputs + self.output.park_decodes()
 
+    def _late_precopies(self) -> list[RequestOutput]:
+        """At a step boundary while a pre-copy is asked for: the decodes that started since."""
+        return self._precopy_outputs() if self.precopy_armed else []
+
     def live_handovers(self) -> set[str]:
         """Decodes handed over live that still run here (until their streams let go)."""
         with self._lock:
             return {i for i, r in self._requests.items() if r.handed_over_live}
 
     def _precopy_outputs(self) -> list[RequestOutput]:
-        """On the step thread: an output with `precopy` set for each running decode."""
+        """On the step thread: an output with `precopy` set for each running decode not told
+        yet; from now on, each step boundary tells the decodes that started since."""
+        self.precopy_armed = True
         outputs = []
         for req in [r for r in self.scheduler.running if r.status == RequestStatus.DECODING
-                    and Stage.DECODE in r.stages]:
+                    and Stage.DECODE in r.stages and r.request_id not in self.precopy_told]:
+            self.precopy_told.add(req.request_id)
             self.precopy_pending.add(req.request_id)
             out = self.output.output(req)
             out.precopy = True
