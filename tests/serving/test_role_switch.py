@@ -6,6 +6,7 @@ transformers; nothing fails, and afterwards no instance holds a block or a lease
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -47,6 +48,25 @@ def held(tmp_path_factory: pytest.TempPathFactory):
         with servekit.start(model, "1E1P2D", tmp, admin_token=TOKEN) as dep:
             mp.delenv(MOVE_OUT_DELAY_ENV)
             yield model, dep
+
+
+@pytest.fixture
+def restores_roles(epd4):
+    """After a test that switches epd4's instances: any it left in another role (it failed
+    before switching back) goes back, so that one failure does not take the next tests'
+    decode instances with it. Roles as the workers themselves report them."""
+    _, dep = epd4
+
+    def roles() -> dict[str, tuple[str, str]]:
+        return {i["instance_id"]: (i["url"], httpx.get(f"{i['url']}/health", timeout=10).json()["role"])
+                for i in _instances(dep)}
+
+    before = roles()
+    yield
+    for instance_id, (_, role) in roles().items():
+        if instance_id in before and before[instance_id][1] != role:
+            with contextlib.suppress(Exception):
+                _switch(dep, instance_id, before[instance_id][1])
 
 
 def _instances(dep) -> list[dict]:
@@ -138,6 +158,7 @@ def _switch_a_busy_d(dep, role: str, min_running: int = 1) -> dict:
     return _switch(dep, busy["instance_id"], role)
 
 
+@pytest.mark.usefixtures("restores_roles")
 def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     model, dep = epd4
     cases = _cases(8, seed_base=3100)
@@ -223,6 +244,7 @@ async def _choices(client: httpx.AsyncClient, url: str, body: dict) -> dict[int,
     return ids
 
 
+@pytest.mark.usefixtures("restores_roles")
 def test_n_choices_migrate_one_by_one_exactly(epd4) -> None:
     """A D switched away mid-stream hands over each choice of n > 1 requests (forked KV
     copies): every choice goes on elsewhere from its next token, exactly."""
