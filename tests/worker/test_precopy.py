@@ -246,6 +246,8 @@ def test_a_decode_that_starts_after_the_precopy_request_is_told_too_once(qwen2_v
     for _ in range(4):
         told += [o.request_id for o in e.step() if o.precopy]
     assert told == ["b"] and e.precopies_waiting() == 2
+    e.precopy()  # a new request (an earlier one's leases may have expired): every decode again
+    assert sorted(o.request_id for o in e.step() if o.precopy) == ["a", "b"]
     e.park_decodes()
     e.step()
     assert not e.precopy_armed and not e.precopy_told

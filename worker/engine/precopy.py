@@ -105,16 +105,19 @@ class PreCopy:
 
     def _late_precopies(self) -> list[RequestOutput]:
         """At a step boundary while a pre-copy is asked for: the decodes that started since."""
-        return self._precopy_outputs() if self.precopy_armed else []
+        return self._precopy_outputs(again=False) if self.precopy_armed else []
 
     def live_handovers(self) -> set[str]:
         """Decodes handed over live that still run here (until their streams let go)."""
         with self._lock:
             return {i for i, r in self._requests.items() if r.handed_over_live}
 
-    def _precopy_outputs(self) -> list[RequestOutput]:
-        """On the step thread: an output with `precopy` set for each running decode not told
-        yet; from now on, each step boundary tells the decodes that started since."""
+    def _precopy_outputs(self, again: bool = True) -> list[RequestOutput]:
+        """On the step thread: an output with `precopy` set for each running decode (`again`
+        False: each one not told yet); from now on, each step boundary tells the decodes
+        that started since."""
+        if again:  # a new request: an earlier one's leases may have expired unpulled
+            self.precopy_told = set()
         self.precopy_armed = True
         outputs = []
         for req in [r for r in self.scheduler.running if r.status == RequestStatus.DECODING
