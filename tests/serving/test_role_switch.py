@@ -57,16 +57,16 @@ def restores_roles(epd4):
     decode instances with it. Roles as the workers themselves report them."""
     _, dep = epd4
 
-    def roles() -> dict[str, tuple[str, str]]:
-        return {i["instance_id"]: (i["url"], httpx.get(f"{i['url']}/health", timeout=10).json()["role"])
+    def roles() -> dict[str, str]:
+        return {i["instance_id"]: httpx.get(f"{i['url']}/health", timeout=10).json()["role"]
                 for i in _instances(dep)}
 
     before = roles()
     yield
-    for instance_id, (_, role) in roles().items():
-        if instance_id in before and before[instance_id][1] != role:
+    for instance_id, role in roles().items():
+        if before.get(instance_id, role) != role:
             with contextlib.suppress(Exception):
-                _switch(dep, instance_id, before[instance_id][1])
+                _switch(dep, instance_id, before[instance_id])
 
 
 def _instances(dep) -> list[dict]:
