@@ -195,6 +195,9 @@ def _add_simulate_validate(bsub: argparse._SubParsersAction) -> None:
                         "as busy time (else all of it is latency)")
     v.add_argument("--repeats", type=int, default=1, help="deployments measured per topology (fresh each): "
                    "the measured figures are their medians and the table shows how far apart they were")
+    v.add_argument("--calibration-warmups", type=int, default=30, metavar="N",
+                   help="untimed lone requests before the calibration's timed ones (a fresh deployment's "
+                        "first requests are slower)")
     v.add_argument("--lone-noise", action=argparse.BooleanOptionalAction, default=True,
                    help="with --fit-overheads: give each simulated request, in turn, one lone request's "
                         "measured TTFT spread around the median (and its TPOT as a factor on the median)")

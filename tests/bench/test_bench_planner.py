@@ -165,6 +165,7 @@ def test_simulate_validate_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100").save(profile)
     argv = ["bench", "simulate-validate", "--topologies", "EPD", "--rates", "2", "--num-requests", "3",
             "--output-tokens", "4", "--profile", str(profile), "--instance-cpus", "1", "--json",
+            "--calibration-warmups", "2",
             "--out-json", str(tmp_path / "sv.json")]
     assert main(argv) == 0
     out = capsys.readouterr()
@@ -246,3 +247,33 @@ def test_repeated_runs_give_the_median_and_their_spread() -> None:
     text = format_table([row])
     assert "repeat%" in text.splitlines()[0] and "40.0" in text
     assert "1/3 cells whose runs differ by more than 15%" in text
+
+
+
+def test_two_deployments_are_simulated_from_their_pooled_calibration(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_topology over two stubbed deployments of EPD, the second on a host 1.5x slower:
+    one fit to the medians of their calibrations, the measured medians against it, and each
+    deployment's own calibration kept in the report (to refit offline)."""
+    import triptych.bench.sim_validate as sv
+
+    fast = Calibration(0.08, 0.006, 0.0075, 4, {"EPD": 0.03}, 20, [0.0], [1.0])
+    slow = Calibration(0.12, 0.009, 0.01125, 4, {"EPD": 0.045}, 20, [0.0], [1.0])
+
+    def report(c: Calibration) -> dict[str, object]:
+        return {"completed": 3, "num_requests": 3, "ttft_p50_s": c.ttft_s, "ttft_p90_s": c.ttft_s,
+                "tpot_p50_s": c.tpot_s, "tpot_p90_s": c.tpot_s}
+
+    runs = iter([sv.MeasuredRun(fast, [report(fast)], 0.5), sv.MeasuredRun(slow, [report(slow)], 0.7)])
+    monkeypatch.setattr(sv, "measure_topology", lambda *a, **k: next(runs))
+    args = build_parser().parse_args(["bench", "simulate-validate", "--topologies", "EPD", "--rates", "0.1",
+                                      "--repeats", "2", "--instance-cpus", "1"])
+    profile = roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100")
+    trace = [TraceRequest(t=float(i), images=[(224, 224)], prompt_tokens=30, output_tokens=9) for i in range(3)]
+    row, = sv.run_topology("EPD", parse_topology("EPD"), Path("unused"), profile, trace, args)
+    # At 0.1 req/s nothing queues: the simulation reproduces the pooled lone request.
+    assert row["measured_tpot_p50_s"] == pytest.approx(0.0075) and row["measured_tpot_p50_s_runs"] == [0.006, 0.009]
+    assert row["simulated_tpot_p50_s"] == pytest.approx(0.0075, rel=0.02)
+    assert row["simulated_ttft_p50_s"] == pytest.approx(0.1, rel=0.02)
+    assert abs(row["error_tpot_p50_s"]) < 2 and row["repeat_spread_tpot_p50_s"] == pytest.approx(40.0)
+    assert [c["tpot_s"] for c in row["calibrations"]] == [0.006, 0.009] and row["load_avg_1m"] == 0.7
+    assert Calibration(**row["calibrations"][1]) == slow
