@@ -61,7 +61,7 @@ from triptych.router.streaming import (
     collect,
     sse_body,
 )
-from triptych.router.structured import response_format_grammar
+from triptych.router.structured import request_grammar
 from triptych.router.tools import check_tools, render_messages, tool_choice_grammar
 from triptych.sampling_params import SamplingParams
 from triptych.version import __version__
@@ -114,26 +114,40 @@ def _add_generation_routes(app: FastAPI, state: RouterState) -> None:
         started = time.monotonic()
         check_tools(body.tools, body.tool_choice)
         # Compiled before any work: a schema that does not compile is a 400 (structured.py).
-        grammar = tool_choice_grammar(body.tools, body.tool_choice) or response_format_grammar(body.response_format)
+        grammar = request_grammar(body, tool_choice_grammar(body.tools, body.tool_choice))
         messages, refs = template_messages(render_messages(body.messages, body.tools), state.config)
-        prompt = await prepare_chat(state, messages, refs, mm_processor_kwargs=body.mm_processor_kwargs,
-                                    template_kwargs=body.chat_template_kwargs)
+        prompt = await prepare_chat(state, messages, refs, body.add_generation_prompt,
+                                    mm_processor_kwargs=body.mm_processor_kwargs,
+                                    template_kwargs=body.chat_template_kwargs,
+                                    continue_final_message=body.continue_final_message)
         prompt = truncate_prompt(prompt, body.truncate_prompt_tokens)
         state.metrics.preprocess.labels(state.model_name).observe(time.monotonic() - started)
         sampling = fit_context(state, len(prompt.token_ids), sampling, body.requested_max_tokens)
         parse_tools = bool(body.tools) and body.tool_choice != "none"
         return await _generate(state, request, body, prompt, sampling, chat=True, grammar=grammar,
-                               parse_tools=parse_tools)
+                               parse_tools=parse_tools, echo=body.echo_text)
 
     @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_request(state, body)
         sampling = _sampling(body, body.max_tokens)
-        grammar = response_format_grammar(body.response_format)
+        grammar = request_grammar(body)
         prompt = Prompt(token_ids=await asyncio.to_thread(completion_prompt, state, body.prompt))
         prompt = truncate_prompt(prompt, body.truncate_prompt_tokens)
         sampling = fit_context(state, len(prompt.token_ids), sampling, body.max_tokens)
-        return await _generate(state, request, body, prompt, sampling, chat=False, grammar=grammar)
+        echo = await asyncio.to_thread(_echo_text, state, body, prompt) if body.echo else ""
+        return await _generate(state, request, body, prompt, sampling, chat=False, grammar=grammar, echo=echo)
+
+
+def _echo_text(state: RouterState, body: CompletionRequest, prompt: Prompt) -> str:
+    """The prompt as `echo` returns it: the client's text, or (token ids, or a prompt cut by
+    truncate_prompt_tokens) the prompt's tokens detokenized."""
+    text = body.prompt if isinstance(body.prompt, str) else None
+    if isinstance(body.prompt, list) and len(body.prompt) == 1 and isinstance(body.prompt[0], str):
+        text = body.prompt[0]
+    if text is None or body.truncate_prompt_tokens is not None:
+        text = state.processor.decode(prompt.token_ids, False)
+    return text
 
 
 def _check_request(state: RouterState, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -195,15 +209,17 @@ def _sampling(body: ChatCompletionRequest | CompletionRequest, max_tokens: int |
 
 async def _generate(state: RouterState, request: Request, body: ChatCompletionRequest | CompletionRequest,
                     prompt: Prompt, sampling: SamplingParams, chat: bool, grammar: str | None = None,
-                    parse_tools: bool = False) -> Response:
+                    parse_tools: bool = False, echo: str = "") -> Response:
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    choices = [Choice(OutputText(state.detokenizer(body.skip_special_tokens), sampling.stop, sampling.min_tokens))
+    choices = [Choice(OutputText(state.detokenizer(body.skip_special_tokens), sampling.stop, sampling.min_tokens,
+                                 include_stop=body.include_stop_str_in_output))
                for _ in range(sampling.n)]
     asked_logprobs = body.logprobs is not None and body.logprobs is not False
+    token_text = _token_id_text if body.return_tokens_as_token_ids else state.token_text
     job = Job(request_id=request_id, model=state.model_name, chat=chat, prompt_len=len(prompt.token_ids),
               max_tokens=sampling.max_tokens, metrics=state.metrics, choices=choices,
               return_token_ids=body.return_token_ids, logprobs=asked_logprobs,
-              token_text=state.token_text, keep=body.n, parse_tools=parse_tools)
+              token_text=token_text, keep=body.n, parse_tools=parse_tools, echo=echo)
     gen = GenerationRequest(request_id=request_id, prompt_token_ids=prompt.token_ids,
                             mm_items=prompt.mm_items, images=prompt.images, sampling=sampling,
                             model=state.model_name, grammar=grammar)
@@ -232,6 +248,11 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
     return StreamingResponse(sse_body(job, pump, request.scope, include_usage, continuous),
                              media_type="text/event-stream",
                              headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _token_id_text(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids spelling: exact even for tokens that are not whole UTF-8."""
+    return f"token_id:{token_id}"
 
 
 async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:

@@ -109,12 +109,14 @@ def template_messages(messages: list[ChatMessage], config: RouterConfig,
 
 
 # Keys a client's chat_template_kwargs may not override (the router sets them).
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize", "conversation"})
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "continue_final_message", "tokenize",
+                                      "conversation"})
 
 
 async def prepare_chat(state: RouterState, messages: list[dict[str, Any]], refs: list[ImageRef],
                        add_generation_prompt: bool = True, mm_processor_kwargs: dict[str, Any] | None = None,
-                       template_kwargs: dict[str, Any] | None = None) -> Prompt:
+                       template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False
+                       ) -> Prompt:
     image_refs = [r for r in refs if r.kind == "image"]
     video_refs = [r for r in refs if r.kind == "video"]
     limit = state.config.max_images_per_request
@@ -128,8 +130,9 @@ async def prepare_chat(state: RouterState, messages: list[dict[str, Any]], refs:
     if reserved:
         raise InvalidRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
                                   param="chat_template_kwargs")
+    template = {**(template_kwargs or {}), "continue_final_message": continue_final_message}
     processed, by_hash = await asyncio.to_thread(_process, state, messages, refs, blobs, add_generation_prompt,
-                                                 mm_processor_kwargs, template_kwargs or {})
+                                                 mm_processor_kwargs, template)
     items = list(processed.mm_items)
     prompt = Prompt(token_ids=list(processed.token_ids), mm_items=items,
                     images=[by_hash[m.content_hash] for m in items])

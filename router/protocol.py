@@ -154,6 +154,21 @@ class ResponseFormat(_Strict):
         return self
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (its guided decoding): exactly one constraint
+    (router/structured.py compiles it, as `response_format`'s)."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")  # a JSON Schema
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None  # Lark (llguidance's dialect)
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # compact JSON is the default here already
+    disable_fallback: bool | None = None  # one backend: nothing to fall back to
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class _SamplingFields(BaseModel):
     """Fields both endpoints share. Ranges are SamplingParams' (a 400 names the field)."""
 
@@ -194,6 +209,22 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # vLLM: generate best_of, return the n likeliest
     use_beam_search: bool = False  # vLLM extra
+    include_stop_str_in_output: bool = False  # vLLM extra: the stop string that ended a choice stays in its text
+    return_tokens_as_token_ids: bool = False  # vLLM extra: log-prob tokens spelled "token_id:<id>"
+    # vLLM's guided decoding: `structured_outputs` today, the guided_* fields in older
+    # releases; at most one constraint per request (router/structured.py).
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted, unused: llguidance is the one backend
+    # vLLM extras we know but do not implement: refused when set (unsupported_fields).
+    guided_whitespace_pattern: str | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -216,6 +247,10 @@ class _SamplingFields(BaseModel):
                     break
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options is only allowed when stream is true"))
+        for name in ("guided_whitespace_pattern", "prompt_logprobs", "allowed_token_ids", "bad_words",
+                     "logits_processors"):
+            if getattr(self, name) is not None:
+                out.append((name, f"{name} is not supported"))
         return out
 
 
@@ -229,6 +264,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extra: passed to the chat template
+    add_generation_prompt: bool = True  # vLLM extra: end the prompt with the assistant's turn header
+    continue_final_message: bool = False  # vLLM extra: the reply continues the last message's text
+    echo: bool = False  # vLLM extra: the last message's text (when it is the reply's role) opens the reply
+    chat_template: str | None = None  # vLLM extra, refused: the checkpoint's template is the one served
+    documents: list[dict[str, str]] | None = None  # vLLM extra, refused (no RAG template here)
+    media_io_kwargs: dict[str, Any] | None = None  # vLLM extra, refused (use mm_processor_kwargs)
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # harmless without tools
@@ -257,10 +298,29 @@ class ChatCompletionRequest(_SamplingFields):
             out.append(("response_format", "response_format cannot be combined with a forced tool_choice"))
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             out.append(("modalities", "only the 'text' output modality is supported"))
-        for name in ("audio", "prediction", "reasoning_effort", "web_search_options"):
+        for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "chat_template",
+                     "documents", "media_io_kwargs"):
             if getattr(self, name) is not None:
                 out.append((name, f"{name} is not supported"))
+        if self.continue_final_message and self.add_generation_prompt:
+            out.append(("continue_final_message", "continue_final_message needs add_generation_prompt set to "
+                                                  "false (the reply continues the last message)"))
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            out.append(("continue_final_message", "continue_final_message needs an assistant message last"))
         return out
+
+    @property
+    def echo_text(self) -> str:
+        """What `echo` puts before each choice's content (vLLM's rule): the last message's
+        text when it has the reply's role (assistant, or the last message's own role when no
+        generation prompt is added), else nothing."""
+        last = self.messages[-1]
+        role = "assistant" if self.add_generation_prompt else last.role
+        if not self.echo or last.role != role or last.content is None:
+            return ""
+        if isinstance(last.content, str):
+            return last.content
+        return "\n".join(part.text for part in last.content if isinstance(part, TextPart))
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -278,8 +338,8 @@ class CompletionRequest(_SamplingFields):
 
     def unsupported_fields(self) -> list[tuple[str, str]]:
         out = super().unsupported_fields()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
+        if self.echo and self.logprobs is not None:
+            out.append(("echo", "echo with logprobs needs the prompt's log-probs, which are not computed"))
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
         return out

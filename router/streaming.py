@@ -65,11 +65,12 @@ class OutputText:
     stop-string search and hold-back are `triptych.stop_strings.StopMatcher`'s, the same
     as the worker's engine."""
 
-    def __init__(self, detokenizer: Detokenizer, stop: Sequence[str] = (), min_tokens: int = 0) -> None:
+    def __init__(self, detokenizer: Detokenizer, stop: Sequence[str] = (), min_tokens: int = 0,
+                 include_stop: bool = False) -> None:
         self._detok = detokenizer
         self.num_tokens = 0
         self._min_tokens = min_tokens  # stop strings count from there (vLLM's rule)
-        self._matcher = StopMatcher(stop)
+        self._matcher = StopMatcher(stop, include=include_stop)
 
     @property
     def stopped(self) -> bool:
@@ -127,6 +128,7 @@ class Job:
     logprobs: bool = False
     token_text: TokenText | None = None
     keep: int | None = None
+    echo: str = ""  # vLLM's echo: text that opens every returned choice (the prompt, or chat's last message)
 
     @property
     def output(self) -> OutputText:
@@ -247,7 +249,7 @@ def _choice_item(job: Job, out_index: int, i: int, content: str, entries: list[T
     choice = job.choices[i]
     lp = job.render_logprobs(choice, entries)
     if not job.chat:
-        return {"index": out_index, "text": content, "logprobs": lp, "finish_reason": choice.finish}
+        return {"index": out_index, "text": job.echo + content, "logprobs": lp, "finish_reason": choice.finish}
     message: dict[str, Any] = {"content": content, "tool_calls": None}
     finish = choice.finish
     if job.parse_tools:
@@ -257,6 +259,8 @@ def _choice_item(job: Job, out_index: int, i: int, content: str, entries: list[T
         for call in calls:
             del call["index"]  # a message's calls carry no index (deltas do)
         message["tool_calls"] = calls or None
+    if job.echo:
+        message["content"] = job.echo + (message["content"] or "")
     return {"index": out_index, "message": message, "logprobs": lp, "finish_reason": finish}
 
 
@@ -312,6 +316,8 @@ async def sse_body(job: Job, pump: EventPump, scope: dict[str, Any], include_usa
         if job.chat:
             for index in range(len(job.choices)):
                 yield sse(_chunk(job, "", None, include_usage, role=True, usage=usage_now(), index=index))
+        for index in range(job.keep or len(job.choices)) if job.echo else ():
+            yield sse(_chunk(job, job.echo, None, include_usage, usage=usage_now(), index=index))
         # With tools, each choice's text goes through its own tool-call parser (tools.py).
         streams = [ToolCallStream() if job.chat and job.parse_tools else None for _ in job.choices]
         async for piece in _pieces(job, pump):

@@ -26,6 +26,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # for `prompt`
     add_generation_prompt: bool = True  # for `messages`
+    continue_final_message: bool = False  # for `messages`: the prompt ends inside the last message (as chat)
     mm_processor_kwargs: dict[str, Any] | None = None  # for `messages` with videos (as chat)
     return_token_strs: bool = False
 
@@ -54,8 +55,11 @@ def add_routes(app: FastAPI, state: RouterState) -> None:
             raise InvalidRequestError("send exactly one of `prompt` and `messages`", param="prompt")
         if body.messages is not None:
             messages, refs = template_messages(body.messages, state.config)
-            ids = (await prepare_chat(state, messages, refs, body.add_generation_prompt,
-                                      body.mm_processor_kwargs)).token_ids
+            if body.continue_final_message and body.add_generation_prompt:
+                raise InvalidRequestError("continue_final_message needs add_generation_prompt set to false",
+                                          param="continue_final_message")
+            ids = (await prepare_chat(state, messages, refs, body.add_generation_prompt, body.mm_processor_kwargs,
+                                      continue_final_message=body.continue_final_message)).token_ids
         else:
             ids = await asyncio.to_thread(_encode_prompt, state, body.prompt or "", body.add_special_tokens)
         strs = [state.processor.tokenizer.id_to_token(t) or "" for t in ids] if body.return_token_strs else None

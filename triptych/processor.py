@@ -414,6 +414,22 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
+def _cut_after_final_message(text: str, final: dict[str, Any]) -> str:
+    """`text` cut right after the last message's text (transformers' continue_final_message:
+    its last text part, found from the end; trailing spaces the template trimmed stay out)."""
+    content = final.get("content")
+    if isinstance(content, list):
+        content = next((p["text"] for p in reversed(content) if "text" in p), None)
+    if not content or not content.strip():
+        raise PromptError("continue_final_message: the last message has no text to continue")
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise PromptError("continue_final_message: the chat template does not render the last message's text")
+    kept = content.lstrip()
+    end = at + len(kept) if text[at:at + len(kept)] == kept else at + len(content.strip())
+    return text[:end]
+
+
 def _validate_messages(messages: Sequence[dict[str, Any]]) -> None:
     if not messages:
         raise PromptError("messages must not be empty")
@@ -495,17 +511,20 @@ class MultimodalProcessor:
     # -- prompt building --
 
     def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-               **template_kwargs: Any) -> str:
-        """The chat template applied to `messages` (text, before tokenization)."""
+               continue_final_message: bool = False, **template_kwargs: Any) -> str:
+        """The chat template applied to `messages` (text, before tokenization); with
+        `continue_final_message` the text ends inside the last message, right after its
+        text, so that the model continues it (transformers' apply_chat_template rule)."""
         _validate_messages(messages)
         try:
-            return self._template.render(messages=_plain(list(messages)), tools=None, documents=None,
+            text = self._template.render(messages=_plain(list(messages)), tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **{**self.special_tokens, **_plain(template_kwargs)})
         except jinja2.TemplateError as e:
             raise PromptError(f"chat template failed: {e}") from None
         except (TypeError, AttributeError, KeyError) as e:  # malformed parts the template trips over
             raise PromptError(f"messages do not fit the chat template: {e}") from None
+        return _cut_after_final_message(text, messages[-1]) if continue_final_message else text
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` as the HF tokenizer gives them, special tokens (e.g. Llama's
@@ -515,11 +534,13 @@ class MultimodalProcessor:
 
     def process(self, messages: Sequence[dict[str, Any]],
                 images: Sequence[ImageInput | Image.Image | bytes] = (),
-                add_generation_prompt: bool = True, **template_kwargs: Any) -> ProcessedPrompt:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                **template_kwargs: Any) -> ProcessedPrompt:
         """Chat template (generation prompt added), tokenization, and each image placeholder
         expanded to that image's number of visual tokens."""
         inputs = [_as_image_input(img, self.max_image_pixels) for img in images]
-        ids = self.encode(self.render(messages, add_generation_prompt=add_generation_prompt, **template_kwargs))
+        ids = self.encode(self.render(messages, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message, **template_kwargs))
         return self.expand(ids, inputs)
 
     def process_text(self, prompt: str, images: Sequence[ImageInput | Image.Image | bytes] = ()

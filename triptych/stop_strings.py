@@ -38,8 +38,9 @@ class StopMatcher:
     now; once a stop string is found, `stopped` is True and later pieces are dropped.
     `flush()` releases the held-back tail at the end of the stream."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include: bool = False) -> None:
         self._stops = [s for s in dict.fromkeys(stops) if s]
+        self._include = include  # vLLM's include_stop_str_in_output: the cut falls after the stop string
         self._fail = [_failure(s) for s in self._stops]
         self._state = [0] * len(self._stops)  # matched prefix length of each stop string
         self._pending = ""  # held back: the longest text suffix that is a prefix of a stop
@@ -59,16 +60,17 @@ class StopMatcher:
             return piece
         base = len(self._pending)
         text = self._pending + piece
-        cut = -1
+        first: tuple[int, int] | None = None  # (start, end) of the earliest-starting match
         for k, stop in enumerate(self._stops):
             end = self._feed(k, piece, check)
             if end >= 0:
                 start = base + end + 1 - len(stop)
-                cut = start if cut < 0 else min(cut, start)
-        if cut >= 0:
+                if first is None or start < first[0]:
+                    first = (start, base + end + 1)
+        if first is not None:
             self.stopped = True
             self._pending = ""
-            return text[:cut]
+            return text[:first[1] if self._include else first[0]]
         hold = max(self._state)
         self._pending = text[len(text) - hold:] if hold else ""
         return text[:len(text) - hold]

@@ -140,6 +140,33 @@ BAD_REQUESTS = [
     ("functions-deprecated", chat_body(functions=[{"name": "f"}]), "functions", "use tools"),
     ("stream-options-without-stream", chat_body(stream_options={"include_usage": True}), "stream_options", ""),
     ("placeholder-in-text", chat_body("hi <|image_pad|> there"), "messages", "placeholder"),
+    # vLLM's extras: guided decoding (tests/router/test_router_vllm_extras.py has what they compile to)
+    ("guided-two-kinds", chat_body(guided_regex="a", guided_choice=["b"]), "guided_choice", "only one kind"),
+    ("guided-beside-response-format", chat_body(guided_regex="a", response_format={"type": "json_object"}),
+     "guided_regex", "cannot be combined with response_format"),
+    ("guided-beside-forced-tool", chat_body(guided_choice=["a"], tools=[{"type": "function", "function": {
+        "name": "f"}}], tool_choice="required"), "guided_choice", "cannot be combined with tool_choice"),
+    ("guided-regex-uncompilable", chat_body(guided_regex="("), "guided_regex", "cannot be compiled"),
+    ("guided-json-not-json", chat_body(guided_json="{nope"), "guided_json", "not valid JSON"),
+    ("guided-json-bad-schema", chat_body(guided_json={"type": "objekt"}), "guided_json", "cannot be compiled"),
+    ("guided-choice-empty", chat_body(guided_choice=[]), "guided_choice", "at least 1"),
+    ("structured-outputs-empty", chat_body(structured_outputs={}), "structured_outputs", "set one of"),
+    ("structured-outputs-unknown-key", chat_body(structured_outputs={"structural_tag": "x"}),
+     "structured_outputs.structural_tag", "unrecognized"),
+    ("structured-outputs-bad-grammar", chat_body(structured_outputs={"grammar": "start: foo"}),
+     "structured_outputs.grammar", "cannot be compiled"),
+    # vLLM's extras we know but do not implement: refused, never silently ignored
+    *[(f"unsupported-{name}", chat_body(**{name: value}), name, "not supported") for name, value in (
+        ("prompt_logprobs", 1), ("bad_words", ["x"]), ("allowed_token_ids", [1, 2]), ("logits_processors", ["x"]),
+        ("guided_whitespace_pattern", " *"), ("chat_template", "{{ messages }}"),
+        ("documents", [{"title": "t", "text": "x"}]), ("media_io_kwargs", {"video": {"num_frames": 4}}))],
+    ("continue-final-with-generation-prompt", chat_body(continue_final_message=True) | {"messages": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "continue_final_message",
+     "add_generation_prompt"),
+    ("continue-final-after-a-user-message", chat_body(continue_final_message=True, add_generation_prompt=False),
+     "continue_final_message", "assistant message last"),
+    ("template-kwargs-reserved-continue", chat_body(chat_template_kwargs={"continue_final_message": True}),
+     "chat_template_kwargs", "may not set"),
     ("video-placeholder-in-text", chat_body("hi <|video_pad|>"), "messages", "placeholder"),
 ]
 
@@ -206,8 +233,10 @@ async def test_completions_errors(client) -> None:
     assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": ""}), 400, param="prompt")
     assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": [1, 10**9]}), 400,
                         param="prompt", contains="vocabulary")
-    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "echo": True}), 400,
-                        param="echo")
+    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "echo": True,
+                                                     "logprobs": 0}), 400, param="echo", contains="logprobs")
+    assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "suffix": "b"}), 400,
+                        param="suffix")
     assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "best_of": 3,
                                                      "stream": True}), 400, param="best_of")
     assert_openai_error(await client.post(url, json={"model": "tiny-qwen", "prompt": "a", "logprobs": 21}), 400,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 
 import jsonschema
@@ -126,6 +127,36 @@ def test_json_object(deployment) -> None:
             assert isinstance(json.loads(choice.message.content), dict)
         else:
             assert choice.finish_reason == "length"
+
+
+def test_vllm_guided_fields(deployment) -> None:
+    """vLLM's `structured_outputs` and older `guided_*` fields constrain the same way (the
+    first token on P, the rest on D in 1E1P1D): seeded samples, each within the constraint."""
+    dep, model = deployment
+    colors = ["red", "green", "dark blue"]
+    regex = r"[0-9]{2}-[a-z]{3}"
+
+    async def run() -> tuple[list, list, list]:
+        c = client(dep)
+        msgs = [{"role": "user", "content": "Pick one."}]
+        picked = await asyncio.gather(*(c.chat.completions.create(
+            model=model, messages=msgs, temperature=1, seed=s, max_tokens=16,
+            extra_body={"structured_outputs": {"choice": colors}} if s % 2 else {"guided_choice": colors})
+            for s in range(12)))
+        codes = await asyncio.gather(*(c.completions.create(
+            model=model, prompt="Code:", temperature=1, seed=s, max_tokens=16,
+            extra_body={"guided_regex": regex} if s % 2 else {"structured_outputs": {"regex": regex}})
+            for s in range(12)))
+        flags = await asyncio.gather(*(c.chat.completions.create(
+            model=model, messages=msgs, temperature=1, seed=s, max_tokens=8,
+            extra_body={"guided_json": {"type": "boolean"}}) for s in range(4)))
+        return picked, codes, flags
+
+    picked, codes, flags = asyncio.run(run())
+    assert all(r.choices[0].message.content in colors and r.choices[0].finish_reason == "stop" for r in picked)
+    assert all(re.fullmatch(regex, r.choices[0].text) and r.choices[0].finish_reason == "stop" for r in codes)
+    assert len({r.choices[0].text for r in codes}) > 1  # sampled, not forced to one string
+    assert all(r.choices[0].message.content in ("true", "false") for r in flags)
 
 
 def test_tool_call_round_trip_streams(deployment) -> None:

@@ -115,6 +115,44 @@ def test_matches_the_whole_text_rule_on_random_streams(seed: int) -> None:
         assert (released, m.stopped) == _reference(stops, pieces), (stops, pieces)
 
 
+def _reference_included(stops: list[str], pieces: list[str]) -> tuple[str, bool]:
+    """include_stop_str_in_output: the same cut, moved to the end of the stop string found
+    (earliest start; of two starting together, the one listed first)."""
+    text = ""
+    for p in pieces:
+        text += p
+        hits = [(i, k) for k, s in enumerate(stops) if (i := text.find(s)) >= 0]
+        if hits:
+            i, k = min(hits)
+            return text[:i + len(stops[k])], True
+    return text, False
+
+
+def test_include_keeps_the_stop_string() -> None:
+    m = StopMatcher(["world"], include=True)
+    assert m.add("Hello wor") == "Hello " and m.add("ld!") == "world" and m.stopped
+    m = StopMatcher(["c", "abcd"], include=True)
+    assert m.add("xabcdy") == "xabcd"  # the earliest-starting stop, whole
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_include_matches_the_whole_text_rule_on_random_streams(seed: int) -> None:
+    rng = random.Random(1000 + seed)
+    for _ in range(50):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        stops = list(dict.fromkeys(stops))
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 8)))) if text else []
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        m, released = StopMatcher(stops, include=True), ""
+        for p in pieces:
+            released += m.add(p)
+            if m.stopped:
+                break
+        released += m.flush()
+        assert (released, m.stopped) == _reference_included(stops, pieces), (stops, pieces)
+
+
 def test_cost_is_bounded_by_the_longest_stop_not_the_text() -> None:
     stop = "a" * 999 + "b"  # 1,000 characters
     m = StopMatcher(["never", stop])
