@@ -16,7 +16,7 @@ from triptych.router.errors import InvalidRequestError
 from triptych.router.images import FetchBudget, ImageRef
 from triptych.router.protocol import ChatMessage, ImagePart, TextPart, VideoPart
 from triptych.router.state import RouterState
-from triptych.router.videos import limits_of, probe_video, resolve_options, video_model
+from triptych.router.videos import check_keys, limits_of, probe_video, resolve_options, video_model
 from triptych.sampling_params import SamplingParams
 from triptych.stage_protocol import frame_content_key
 from triptych.video_processing import VideoTokens, expand_videos
@@ -123,6 +123,7 @@ async def prepare_chat(state: RouterState, messages: list[dict[str, Any]], refs:
     if len(image_refs) > limit:
         raise InvalidRequestError(f"too many images: {len(image_refs)} (this server accepts at most {limit} "
                                   "per request)", param="messages", code="too_many_images")
+    check_keys(mm_processor_kwargs, has_images=bool(image_refs))
     _check_videos(state, video_refs, mm_processor_kwargs)
     budget = FetchBudget(state.config.max_fetch_bytes_per_request)
     blobs = list(await asyncio.gather(*(state.images.load(ref, budget) for ref in refs)))

@@ -73,15 +73,25 @@ def video_model(model_dir: str) -> VideoModel | None:
                       "tokens_per_second" in vision or "tokens_per_second" in cfg)
 
 
+def check_keys(kwargs: dict[str, Any] | None, has_images: bool) -> None:
+    """400 for an `mm_processor_kwargs` key that is not a video option, and for pixel
+    bounds in a request with images: per request they size videos only (images keep the
+    checkpoint's bounds), so they would change an image's tokens silently otherwise."""
+    unknown = sorted(set(kwargs or {}) - set(MM_PROCESSOR_KWARGS))
+    if unknown:
+        raise InvalidRequestError(f"unsupported mm_processor_kwargs key(s): {', '.join(unknown)} (accepted: "
+                                  f"{', '.join(MM_PROCESSOR_KWARGS)})", param=_PARAM)
+    if has_images and (bounds := sorted(set(kwargs or {}) & set(PIXEL_KEYS))):
+        raise InvalidRequestError(f"mm_processor_kwargs {', '.join(bounds)}: per-request pixel bounds size videos "
+                                  "only; images are sized by the checkpoint's image processor", param=_PARAM)
+
+
 def resolve_options(kwargs: dict[str, Any] | None, model: VideoModel, config: RouterConfig
                     ) -> tuple[VideoProcessorConfig, SamplingOptions, dict[str, Any]]:
     """The request's `mm_processor_kwargs` over the checkpoint's defaults -> the processor
     config (pixel bounds), the sampling options, and the resolved options to send the encoder."""
     kwargs = dict(kwargs or {})
-    unknown = sorted(set(kwargs) - set(MM_PROCESSOR_KWARGS))
-    if unknown:
-        raise InvalidRequestError(f"unsupported mm_processor_kwargs key(s): {', '.join(unknown)} (accepted: "
-                                  f"{', '.join(MM_PROCESSOR_KWARGS)})", param=_PARAM)
+    check_keys(kwargs, has_images=False)
     if model.frames_as_images and (bounds := sorted(set(kwargs) & set(PIXEL_KEYS))):
         raise InvalidRequestError(f"mm_processor_kwargs {', '.join(bounds)}: this model takes a video's frames as "
                                   "images, each sized by its image processor (a fixed size)", param=_PARAM)

@@ -140,6 +140,9 @@ BAD_REQUESTS = [
     ("functions-deprecated", chat_body(functions=[{"name": "f"}]), "functions", "use tools"),
     ("stream-options-without-stream", chat_body(stream_options={"include_usage": True}), "stream_options", ""),
     ("placeholder-in-text", chat_body("hi <|image_pad|> there"), "messages", "placeholder"),
+    ("mm-kwargs-unknown-key", chat_body(mm_processor_kwargs={"zzz": 1}), "mm_processor_kwargs", "unsupported"),
+    ("mm-kwargs-pixels-with-an-image", with_parts(image_part(solid_png()), mm_processor_kwargs={"max_pixels": 1}),
+     "mm_processor_kwargs", "videos only"),
     # vLLM's extras: guided decoding (tests/router/test_router_vllm_extras.py has what they compile to)
     ("guided-two-kinds", chat_body(guided_regex="a", guided_choice=["b"]), "guided_choice", "only one kind"),
     ("guided-beside-response-format", chat_body(guided_regex="a", response_format={"type": "json_object"}),
