@@ -25,8 +25,19 @@ def cpus(text: str) -> float:
     return value
 
 
-def threads(text: str) -> int:
-    """A thread count: a whole number, at least 1."""
+def rate(text: str) -> float:
+    """An arrival rate: a positive, finite number of requests per second."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of requests/s, got {text}")
+    return value
+
+
+def count(text: str) -> int:
+    """A count of things (threads, instances): a whole number, at least 1."""
     try:
         value = int(text)
     except ValueError:
@@ -75,7 +86,7 @@ def add_device(p: argparse.ArgumentParser) -> None:
 
 
 def add_threads(p: argparse.ArgumentParser, help: str | None = None) -> None:
-    p.add_argument("--threads", type=threads, default=None, help=help)
+    p.add_argument("--threads", type=count, default=None, help=help)
 
 
 def add_compile_decode(p: argparse.ArgumentParser, help: str) -> None:
@@ -171,7 +182,7 @@ def add_planner_slos(p: argparse.ArgumentParser, help: str | None = None) -> Non
 
 
 def add_rates(p: argparse.ArgumentParser, default: list[float]) -> None:
-    p.add_argument("--rates", type=float, nargs="+", default=default)
+    p.add_argument("--rates", type=rate, nargs="+", default=default)
 
 
 def add_image_size(p: argparse.ArgumentParser, default: list[int], metavar: tuple[str, str] | None = None) -> None:

@@ -29,6 +29,7 @@ from triptych.cli_args import (
     add_transfer_require,
     cpus,
     lazy,
+    rate,
 )
 
 QUOTA_HELP = "CPU quota of every instance"
@@ -213,7 +214,7 @@ def _add_autoscale_shift(bsub: argparse._SubParsersAction) -> None:
     add_topology(a, "2E1P1D")
     _add_capped_instances(a, None, QUOTA_HELP + "; default: 0.5 (text), 0.25 (outputs)",
                           None, PRIORITY_HELP + "; default: 1 (text), 16 (outputs)")
-    a.add_argument("--rate", type=float, default=None, help="requests/s in both phases; default: 2 (text), "
+    a.add_argument("--rate", type=rate, default=None, help="requests/s in both phases; default: 2 (text), "
                    "1.5 (outputs)")
     a.add_argument("--phase-seconds", type=float, default=None, help="length of each phase; default: 40 (text), "
                    "30 (outputs)")

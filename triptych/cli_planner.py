@@ -16,8 +16,10 @@ from triptych.cli_args import (
     add_request_shape,
     add_seed,
     add_threads,
+    count,
     cpus,
     lazy,
+    rate,
 )
 
 # `plan`'s and `simulate --goodput`'s bound on one simulated run (the live replanner's is
@@ -28,7 +30,7 @@ MAX_SIM_REQUESTS = 10_000
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
     """A synthetic workload (planner/workload.py): Poisson arrivals, lognormal lengths."""
-    p.add_argument("--rate", type=float, default=None, help="requests/s (re-times a --workload trace)")
+    p.add_argument("--rate", type=rate, default=None, help="requests/s (re-times a --workload trace)")
     add_request_shape(p, 500, [448, 448], ("W", "H"))
     p.add_argument("--prompt-tokens", type=int, default=64, help="median text tokens")
     p.add_argument("--prompt-sigma", type=float, default=0.0, help="lognormal sigma (0: fixed)")
@@ -60,13 +62,13 @@ def add_planner(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("simulate", help="simulate a topology under a workload (discrete-event)")
     _add_planner_common(s)
     s.add_argument("--topology", required=True, help="e.g. 1E1P1D, 2EP1D, EPD")
-    s.add_argument("--rates", type=float, nargs="*", default=[], help="run the workload at each rate")
+    s.add_argument("--rates", type=rate, nargs="*", default=[], help="run the workload at each rate")
     s.add_argument("--goodput", action="store_true", help="also search the goodput")
     _add_sim_cap(s)
     s.set_defaults(func=lazy("triptych.operator.planner.cli:simulate_main"))
     p = sub.add_parser("plan", help="best hybrid method and instance ratio for N instances (simulated)")
     _add_planner_common(p)
-    p.add_argument("--instances", type=int, required=True)
+    p.add_argument("--instances", type=count, required=True)
     p.add_argument("--methods", nargs="*", default=None, help="subset of E+P+D EP+D ED+P E+PD EPD")
     p.add_argument("--keep-per-method", type=int, default=2, help="ratios per method simulated")
     _add_sim_cap(p)

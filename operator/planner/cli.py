@@ -18,6 +18,7 @@ from triptych.operator.planner.workload import (
     at_rate,
     generate,
     read_trace,
+    short_error,
     stats,
     write_trace,
 )
@@ -39,8 +40,9 @@ def _dist(median: int, sigma: float, high: int) -> Dist:
 
 
 def spec_from_args(args: argparse.Namespace, rate: float | None = None) -> WorkloadSpec:
+    rate = rate if rate is not None else args.rate if args.rate is not None else 1.0
     return WorkloadSpec(
-        rate=rate or args.rate or 1.0, num_requests=args.num_requests,
+        rate=rate, num_requests=args.num_requests,
         images_per_request=Dist(kind="fixed", value=args.images_per_request), image_size=tuple(args.image_size),
         prompt_tokens=_dist(args.prompt_tokens, args.prompt_sigma, args.max_tokens),
         output_tokens=_dist(args.output_tokens, args.output_sigma, args.max_tokens), seed=args.seed)
@@ -49,7 +51,7 @@ def spec_from_args(args: argparse.Namespace, rate: float | None = None) -> Workl
 def load_workload(args: argparse.Namespace) -> list[TraceRequest]:
     if args.workload:
         trace = read_trace(args.workload)
-        return at_rate(trace, args.rate) if args.rate else trace
+        return at_rate(trace, args.rate) if args.rate is not None else trace
     return generate(spec_from_args(args))
 
 
@@ -57,9 +59,21 @@ def sim_config(args: argparse.Namespace) -> SimConfig:
     return SimConfig(ttft_slo_s=args.slo_ttft, tbt_slo_s=args.slo_tbt, routing=args.routing)
 
 
+def load_inputs(args: argparse.Namespace, command: str) -> tuple[StepProfile, list[TraceRequest], SimConfig]:
+    """The profile, workload and SLOs a command runs on. A file that cannot be read, or does
+    not hold what it should, is a one-line error naming it (exit 1), not a traceback."""
+    try:
+        return load_profile(args), load_workload(args), sim_config(args)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"triptych {command}: {short_error(exc)}") from None
+
+
 def workload_main(args: argparse.Namespace) -> int:
-    trace = generate(spec_from_args(args))
-    write_trace(args.out, trace)
+    try:
+        trace = generate(spec_from_args(args))
+        write_trace(args.out, trace)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"triptych workload: {short_error(exc)}") from None
     print(stats(trace).model_dump_json())
     return 0
 
@@ -69,7 +83,7 @@ def simulate_main(args: argparse.Namespace) -> int:
         topology = parse_topology(args.topology)
     except TopologyError as exc:
         raise SystemExit(str(exc)) from None
-    profile, trace, cfg = load_profile(args), load_workload(args), sim_config(args)
+    profile, trace, cfg = load_inputs(args, "simulate")
     reports = []
     for rate in args.rates or [None]:
         run = at_rate(trace, rate) if rate else trace
@@ -98,7 +112,7 @@ def simulate_main(args: argparse.Namespace) -> int:
 def plan_main(args: argparse.Namespace) -> int:
     from triptych.operator.planner.optimizer import PlanConfig, plan
 
-    profile, trace, cfg = load_profile(args), load_workload(args), sim_config(args)
+    profile, trace, cfg = load_inputs(args, "plan")
     pcfg = PlanConfig(keep_per_method=args.keep_per_method, max_requests=args.max_sim_requests or None,
                       **({"methods": args.methods} if args.methods else {}))
     result = plan(profile, trace, args.instances, cfg, pcfg)

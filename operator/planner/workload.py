@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class TraceRequest(BaseModel):
@@ -100,6 +100,13 @@ def generate(spec: WorkloadSpec, seed: int | None = None) -> list[TraceRequest]:
     return out
 
 
+def short_error(exc: Exception) -> str:
+    """One line for a bad input: a pydantic error as `field: message; ...`."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+    return str(exc)
+
+
 def read_trace(path: str | Path) -> list[TraceRequest]:
     reqs = []
     with open(path) as f:
@@ -108,7 +115,7 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
                 try:
                     reqs.append(TraceRequest.model_validate_json(line))
                 except ValueError as exc:
-                    raise ValueError(f"{path}:{n}: not a trace request: {exc}") from None
+                    raise ValueError(f"{path}:{n}: not a trace request: {short_error(exc)}") from None
     if not reqs:
         raise ValueError(f"{path}: empty trace")
     return sorted(reqs, key=lambda r: r.t)

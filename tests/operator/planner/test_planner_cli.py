@@ -92,6 +92,46 @@ def test_bad_topology_is_a_clean_error(tmp_path: Path) -> None:
         main(["simulate", "--model", str(model), "--gpu", "H100", "--topology", "1X"])
 
 
+def test_bad_inputs_are_one_line_errors_naming_them(tmp_path: Path) -> None:
+    model = write_model(tmp_path / "m", QWEN2_VL_7B)
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"t": 0, "images": [], "prompt_tokens": 5, "output_tokens": 3}\n{"t": 1, "images": []}\n')
+    profile = tmp_path / "p.json"
+    profile.write_text("{}")
+    common = ["--model", str(model), "--slo-ttft", "1", "--slo-tbt", "0.1"]
+    cases = [
+        (["plan", *common, "--instances", "4", "--gpu", "H100", "--workload", str(trace)],
+         f"triptych plan: {trace}:2: not a trace request: prompt_tokens: Field required; output_tokens: Field required"),
+        (["plan", *common, "--instances", "4", "--gpu", "H100", "--workload", str(tmp_path / "none.jsonl")],
+         "triptych plan: [Errno 2] No such file or directory"),
+        (["simulate", *common, "--topology", "EPD", "--profile", str(profile)], "triptych simulate: source: Field required"),
+        (["plan", "--model", str(tmp_path / "nowhere"), "--instances", "4", "--gpu", "H100"],
+         "triptych plan: cannot read"),
+        (["simulate", *common[:2], "--slo-ttft", "0", "--topology", "EPD", "--gpu", "H100"],
+         "triptych simulate: ttft_slo_s: Input should be greater than 0"),
+        (["workload", "--out", str(tmp_path / "no" / "dir.jsonl")], "triptych workload: [Errno 2]"),
+        (["workload", "--out", str(tmp_path / "w.jsonl"), "--num-requests", "0"],
+         "triptych workload: num_requests: Input should be greater than or equal to 1"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert isinstance(exc.value.code, str) and exc.value.code.startswith(message), (argv, exc.value.code)
+        assert "\n" not in exc.value.code
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["plan", "--instances", "0"], "argument --instances: must be at least 1, got 0"),
+    (["simulate", "--rates", "1", "0"], "argument --rates: must be a positive number of requests/s, got 0"),
+    (["workload", "--rate", "-2"], "argument --rate: must be a positive number of requests/s, got -2"),
+])
+def test_bad_counts_and_rates_are_argparse_errors(argv: list[str], message: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_the_planner_imports_no_torch_and_no_worker_code() -> None:
     import subprocess
     import sys
