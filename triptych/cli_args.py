@@ -8,10 +8,44 @@ from __future__ import annotations
 import argparse
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 
 MODEL_HELP = "checkpoint directory, or 'tiny'"
 GPUS = ("H100", "H200", "A100", "L40S")  # the roofline profiles a --gpu stand-in knows
 LOOPBACK = "127.0.0.1"
+
+
+def resolve_model(model: str) -> Path:
+    """The checkpoint directory a `--model` names: `tiny` builds (once, cached, offline) the
+    tiny Qwen2-VL checkpoint; anything else is a path holding a config.json, else a
+    one-line error (exit 1)."""
+    if model == "tiny":
+        from triptych.tiny_model import tiny_model_path
+
+        return tiny_model_path("qwen2-vl")
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {model!r}: no config.json there (expected a checkpoint directory, or 'tiny')")
+    return path
+
+
+def topology(text: str) -> str:
+    """A topology string (`1E1P1D`, `EPD`, ...), checked by its parser; kept as text."""
+    from triptych.topology import TopologyError, parse_topology
+
+    try:
+        parse_topology(text)
+    except TopologyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def topologies(text: str) -> str:
+    """Comma-separated topologies, each checked; kept as text."""
+    for part in text.split(","):
+        if part.strip():
+            topology(part.strip())
+    return text
 
 
 def cpus(text: str) -> float:
@@ -67,7 +101,7 @@ def add_model(p: argparse.ArgumentParser, default: str | None = "tiny", help: st
 
 
 def add_topology(p: argparse.ArgumentParser, default: str) -> None:
-    p.add_argument("--topology", default=default)
+    p.add_argument("--topology", type=topology, default=default)
 
 
 def add_dtype(p: argparse.ArgumentParser) -> None:

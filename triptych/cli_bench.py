@@ -30,6 +30,7 @@ from triptych.cli_args import (
     cpus,
     lazy,
     rate,
+    topologies,
 )
 
 QUOTA_HELP = "CPU quota of every instance"
@@ -45,7 +46,7 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_topologies(p: argparse.ArgumentParser, default: str | None, help: str | None = None) -> None:
-    p.add_argument("--topologies", default=default, help=help)
+    p.add_argument("--topologies", type=topologies, default=default, help=help)
 
 
 def _add_capped_instances(p: argparse.ArgumentParser, cpus: float | None = 0.5, cpus_help: str = QUOTA_HELP,

@@ -20,6 +20,7 @@ from triptych.cli_args import (
     cpus,
     lazy,
     rate,
+    topology,
 )
 
 # `plan`'s and `simulate --goodput`'s bound on one simulated run (the live replanner's is
@@ -61,7 +62,7 @@ def _add_sim_cap(p: argparse.ArgumentParser) -> None:
 def add_planner(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("simulate", help="simulate a topology under a workload (discrete-event)")
     _add_planner_common(s)
-    s.add_argument("--topology", required=True, help="e.g. 1E1P1D, 2EP1D, EPD")
+    s.add_argument("--topology", type=topology, required=True, help="e.g. 1E1P1D, 2EP1D, EPD")
     s.add_argument("--rates", type=rate, nargs="*", default=[], help="run the workload at each rate")
     s.add_argument("--goodput", action="store_true", help="also search the goodput")
     _add_sim_cap(s)

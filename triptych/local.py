@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from triptych.cli_args import resolve_model
 from triptych.cpu_quota import PERIOD_US, DeploymentGroups, QuotaUnavailable, check_period_us, threads_for
 from triptych.http_ready import answers_ok
 from triptych.listen_socket import reserve
@@ -94,18 +95,6 @@ def free_port(host: str = "127.0.0.1") -> int:
                 _HANDED_OUT.add(port)
                 return port
     raise OSError(f"no free port on {host} that was not handed out already")
-
-
-def resolve_model(model: str) -> Path:
-    """`tiny` builds (once, cached) the tiny Qwen2-VL checkpoint; anything else is a path."""
-    if model == "tiny":
-        from triptych.tiny_model import tiny_model_path
-
-        return tiny_model_path("qwen2-vl")
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise SystemExit(f"--model {model!r}: no config.json there (expected a checkpoint directory)")
-    return path
 
 
 @dataclass

@@ -6,20 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from triptych.cli_args import resolve_model
 from triptych.processor import MultimodalProcessor, ProcessorError, UnsupportedModelError
 from triptych.sampling_params import SamplingParams
-
-
-def resolve_model(name: str) -> Path:
-    """A checkpoint directory, or 'tiny' for the built-in tiny Qwen2-VL (built offline once)."""
-    if name == "tiny":
-        from triptych.tiny_model import tiny_model_path
-
-        return tiny_model_path("qwen2-vl")
-    path = Path(name)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{name}: not a checkpoint directory (no config.json); use a path or 'tiny'")
-    return path
 
 
 def generate(model_dir: Path, prompt: str, image_paths: list[str], params: SamplingParams, *,

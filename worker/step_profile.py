@@ -28,6 +28,7 @@ from functools import partial
 
 import torch
 
+from triptych.cli_args import resolve_model
 from triptych.operator.planner.model_shape import read_shape
 from triptych.operator.planner.profile import DecodeRow, EncodeRow, Migration, Point, StepProfile
 from triptych.sampling_params import SamplingParams
@@ -134,11 +135,7 @@ def profile_engine(model: str, *, device: str = "cpu", dtype: str = "float32", t
 
 def cli_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    model = args.model
-    if model == "tiny":
-        from triptych.tiny_model import tiny_model_path
-
-        model = str(tiny_model_path("qwen2-vl"))
+    model = str(resolve_model(args.model))
     cpu_share = getattr(args, "cpu_share", None)
     if cpu_share is not None and args.device != "cpu":
         print(f"error: --cpu-share profiles a CPU instance; got --device {args.device}", file=sys.stderr)

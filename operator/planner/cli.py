@@ -22,7 +22,7 @@ from triptych.operator.planner.workload import (
     stats,
     write_trace,
 )
-from triptych.topology import TopologyError, parse_topology
+from triptych.topology import parse_topology
 
 
 def load_profile(args: argparse.Namespace) -> StepProfile:
@@ -79,10 +79,7 @@ def workload_main(args: argparse.Namespace) -> int:
 
 
 def simulate_main(args: argparse.Namespace) -> int:
-    try:
-        topology = parse_topology(args.topology)
-    except TopologyError as exc:
-        raise SystemExit(str(exc)) from None
+    topology = parse_topology(args.topology)  # checked by argparse already (cli_args.topology)
     profile, trace, cfg = load_inputs(args, "simulate")
     reports = []
     for rate in args.rates or [None]:

@@ -22,8 +22,9 @@ from PIL import Image
 from polling import wait_until
 
 from triptych import dashboards
+from triptych.cli_args import resolve_model
 from triptych.http_ready import answers_ok
-from triptych.local import LocalDeployment, free_port, resolve_model
+from triptych.local import LocalDeployment, free_port
 from triptych.topology import parse_topology
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -50,5 +50,14 @@ def test_generate_reports_bad_input(capsys: pytest.CaptureFixture[str], tmp_path
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
     assert main(["generate", "--model", "tiny", "--image", str(bad), "--prompt", "hi"]) == 2
     assert "error" in capsys.readouterr().err
-    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
-    assert "not a checkpoint directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no config.json there"):
+        main(["generate", "--model", str(tmp_path), "--prompt", "hi"])
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["profile", "--out", "p.json"],
+                                     ["serve"], ["bench", "switch"]])
+def test_a_model_that_is_not_a_checkpoint_is_a_one_line_error(command: list[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--model", str(tmp_path / "nowhere")])
+    assert exc.value.code == f"--model '{tmp_path / 'nowhere'}': no config.json there (expected a checkpoint " \
+                             "directory, or 'tiny')"

@@ -150,7 +150,8 @@ async def _replay(router: str, planner: str | None, trace: list[TraceRequest], n
 
 
 def run_once(args: argparse.Namespace, trace: list[TraceRequest], n_before: int, autoscale: bool) -> dict[str, Any]:
-    from triptych.local import LocalDeployment, _admin_token_file, free_port, resolve_model, start_planner
+    from triptych.cli_args import resolve_model
+    from triptych.local import LocalDeployment, _admin_token_file, free_port, start_planner
     from triptych.topology import parse_topology
 
     token = secrets.token_urlsafe(32)

@@ -135,7 +135,8 @@ def format_idle(rep: Mapping[str, Any]) -> str:
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    from triptych.local import LocalDeployment, StartupError, resolve_model
+    from triptych.cli_args import resolve_model
+    from triptych.local import LocalDeployment, StartupError
     from triptych.topology import TopologyError, parse_topology
 
     try:

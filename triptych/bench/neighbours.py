@@ -169,7 +169,8 @@ async def _load(url: str, streams: int, output_len: int, timeout_s: float) -> di
 
 def run_mode(cfg: argparse.Namespace, quota: bool) -> dict[str, Any]:
     """Start the target and its neighbours (capped at cfg.instance_cpus if `quota`), measure, stop."""
-    from triptych.local import LocalDeployment, resolve_model
+    from triptych.cli_args import resolve_model
+    from triptych.local import LocalDeployment
     from triptych.topology import parse_topology
 
     model = resolve_model(cfg.model)

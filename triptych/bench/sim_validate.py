@@ -435,7 +435,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def cli_main(args: argparse.Namespace) -> int:
-    from triptych.local import resolve_model
+    from triptych.cli_args import resolve_model
     from triptych.topology import TopologyError, parse_topology
 
     try:

@@ -337,7 +337,8 @@ def _current_role(client: httpx.Client, dep: Any, instance_id: str) -> str:
 
 
 def run(cfg: argparse.Namespace) -> dict[str, Any]:
-    from triptych.local import LocalDeployment, resolve_model
+    from triptych.cli_args import resolve_model
+    from triptych.local import LocalDeployment
     from triptych.topology import parse_topology
 
     model_dir = resolve_model(cfg.model)

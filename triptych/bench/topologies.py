@@ -39,7 +39,8 @@ def run_topologies(specs: Sequence[str], model: str, cfg: RunConfig, transfer_re
                    total_cpus: float | None = None, dtype: str = "float32") -> dict[str, Any]:
     """Start each topology with LocalDeployment, measure its idle CPU for `idle_s` (0: skip),
     run the same plan against it, stop it."""
-    from triptych.local import LocalDeployment, resolve_model
+    from triptych.cli_args import resolve_model
+    from triptych.local import LocalDeployment
     from triptych.topology import TopologyError, parse_topology
 
     try:

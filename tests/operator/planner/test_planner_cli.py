@@ -86,10 +86,14 @@ def test_simulate_needs_a_profile_source(tmp_path: Path) -> None:
         main(["simulate", "--topology", "EPD"])  # neither --profile nor --gpu
 
 
-def test_bad_topology_is_a_clean_error(tmp_path: Path) -> None:
-    model = write_model(tmp_path / "m", QWEN2_VL_7B)
-    with pytest.raises(SystemExit, match="cannot parse topology"):
-        main(["simulate", "--model", str(model), "--gpu", "H100", "--topology", "1X"])
+@pytest.mark.parametrize("argv", [["simulate", "--gpu", "H100", "--topology", "1X"], ["serve", "--topology", "2Q"],
+                                  ["bench", "serve", "--topologies", "EPD,1X"], ["bench", "switch", "--topology", "E"]])
+def test_bad_topology_is_an_argparse_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot parse topology" in err or "runs no instance for stage" in err, err
 
 
 def test_bad_inputs_are_one_line_errors_naming_them(tmp_path: Path) -> None:
