@@ -48,26 +48,24 @@ def topologies(text: str) -> str:
     return text
 
 
-def cpus(text: str) -> float:
-    """A CPU share: a positive number of CPUs (0.5 = half a core)."""
+def _positive(text: str, unit: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of CPUs, got {text}")
+        raise argparse.ArgumentTypeError(f"must be a positive number of {unit}, got {text}")
     return value
+
+
+def cpus(text: str) -> float:
+    """A CPU share: a positive number of CPUs (0.5 = half a core)."""
+    return _positive(text, "CPUs")
 
 
 def rate(text: str) -> float:
     """An arrival rate: a positive, finite number of requests per second."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of requests/s, got {text}")
-    return value
+    return _positive(text, "requests/s")
 
 
 def count(text: str) -> int:
