@@ -115,8 +115,9 @@ def from_validation(exc: RequestValidationError) -> OpenAIError:
         err = next(e for e in errors if e.get("type") == "json_invalid")
         detail = err.get("ctx", {}).get("error") or err.get("msg")
         return InvalidRequestError(f"malformed JSON in the request body: {detail}", code="invalid_json")
-    if len(errors) == 1 and tuple(errors[0].get("loc", ())) == ("body",) and isinstance(
-            errors[0].get("input"), (bytes, str)):
+    if len(errors) == 1 and tuple(errors[0].get("loc", ())) == ("body",) and (
+            isinstance(errors[0].get("input"), (bytes, str)) or errors[0].get("type") == "missing"):
+        # Not JSON, or no body at all (FastAPI reports the whole body as a missing field).
         return InvalidRequestError("the request body must be a JSON object (Content-Type: application/json)",
                                    code="invalid_json")
     # The deepest error is the most specific (a union reports one error per branch).

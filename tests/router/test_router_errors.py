@@ -66,7 +66,7 @@ BAD_REQUESTS = [
     # (id, body or raw bytes, expected param, expected message fragment)
     ("malformed-json", b'{"model": "tiny-qwen", "messages": [', None, "malformed JSON"),
     ("not-an-object", b"[1, 2]", None, "dictionary"),
-    ("empty-body", b"", None, ""),
+    ("empty-body", b"", None, "must be a JSON object"),
     ("missing-messages", {"model": "tiny-qwen"}, "messages", "required"),
     ("empty-messages", chat_body() | {"messages": []}, "messages", "at least 1"),
     ("wrong-type-content", chat_body(5), "messages[0].content", "string"),
