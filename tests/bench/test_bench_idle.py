@@ -93,8 +93,10 @@ def test_a_sleeping_process_uses_no_cores_and_the_max_is_reported() -> None:
 
 
 def test_bad_topology_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "idle", "--topology", "3X", "--seconds", "1"]) == 2
-    assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "idle", "--topology", "3X", "--seconds", "1"])
+    assert exc.value.code == 2
+    assert "argument --topology: cannot parse topology '3X'" in capsys.readouterr().err
 
 
 @pytest.mark.slow

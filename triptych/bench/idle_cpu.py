@@ -137,16 +137,12 @@ def format_idle(rep: Mapping[str, Any]) -> str:
 def cli_main(args: argparse.Namespace) -> int:
     from triptych.cli_args import resolve_model
     from triptych.local import LocalDeployment, StartupError
-    from triptych.topology import TopologyError, parse_topology
+    from triptych.topology import parse_topology
 
     try:
         if not args.seconds > 0 or args.settle < 0:
             raise BenchError(f"need --seconds > 0 and --settle >= 0, got {args.seconds}, {args.settle}")
-        try:
-            topology = parse_topology(args.topology)
-        except TopologyError as exc:
-            raise BenchError(str(exc)) from exc
-        dep = LocalDeployment(model=resolve_model(args.model), topology=topology,
+        dep = LocalDeployment(model=resolve_model(args.model), topology=parse_topology(args.topology),
                               transfer_require=args.transfer_require)
         print(f"starting {args.topology} ({dep.model.name}); sampling {args.seconds:g} s once ready",
               file=sys.stderr, flush=True)

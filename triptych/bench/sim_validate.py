@@ -436,13 +436,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def cli_main(args: argparse.Namespace) -> int:
     from triptych.cli_args import resolve_model
-    from triptych.topology import TopologyError, parse_topology
+    from triptych.topology import parse_topology
 
     try:
-        try:
-            topologies = {s.strip(): parse_topology(s.strip()) for s in args.topologies.split(",") if s.strip()}
-        except TopologyError as exc:
-            raise BenchError(str(exc)) from exc
+        topologies = {s.strip(): parse_topology(s.strip()) for s in args.topologies.split(",") if s.strip()}
         if not topologies or not args.rates or any(r <= 0 for r in args.rates) or args.repeats < 1:
             raise BenchError("need --topologies, positive --rates and --repeats of at least 1")
         model_dir = resolve_model(args.model)
