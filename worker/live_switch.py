@@ -43,8 +43,8 @@ def leaving_decodes(engine: Engine, role: InstanceType) -> list[str]:
         return []
     ids = []
     for request_id in engine.request_ids(parked=False):
-        req = engine.get_request(request_id)
-        if req is None or Stage.DECODE in req.stages:  # None: still in the inbox (a decode on a D)
+        req = engine.get_request(request_id)  # None: ended meanwhile
+        if req is not None and Stage.DECODE in req.stages:
             ids.append(request_id)
     return ids
 
@@ -66,6 +66,10 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
     leaving = leaving_decodes(engine, role)
     offloaded = time.monotonic()
     await asyncio.to_thread(engine.set_role, role)  # in place: same parts (role_change.same_parts)
+    # A decode hop whose stream added it to the engine after the wait above (its inputs
+    # were pulled, its stream had not started) was admitted under the old role: it moves
+    # out with the rest. Any added from now on is refused (503: the router goes elsewhere).
+    leaving = sorted({*leaving, *leaving_decodes(engine, role)})
     onloaded = time.monotonic()
     after = engine.scheduler.counters.as_dict()
     inst.role = role.value

@@ -298,3 +298,43 @@ async def test_a_live_switch_delivers_the_hand_backs_and_pre_copy_offers_it_asks
     await asyncio.gather(run_task, return_exceptions=True)
     e.step()  # the abort of the cancelled stream
     assert e.request_ids() == [] and e.kv.num_used == 0
+
+
+async def test_a_live_switch_moves_out_a_decode_added_while_the_role_changes(qwen2_vl_dir: Path) -> None:
+    """A decode hop's inputs were pulled before the switch (it waits for no `preparing`
+    run), but its stream added it to the engine only once the switch was under way —
+    validated under the old role. It must move out with the rest and be listed (`migrating`):
+    before, it was parked and moved without being counted (a role-switch test saw the other
+    D take over 4 decodes of a switch that listed 3). A prefill-only request still in the
+    inbox is no leaving decode."""
+    from triptych.worker.instance import InstanceRuntime
+    from triptych.worker.live_switch import leaving_decodes, switch_live
+    from triptych.worker.settings import WorkerSettings
+
+    proc = processor(qwen2_vl_dir)
+    case = next(c for c in make_cases(8) if not c.images)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    pd = {Stage.PREFILL, Stage.DECODE}
+    e = _engine(qwen2_vl_dir, InstanceType.PD)
+    e.driver.start = lambda: None  # type: ignore[method-assign]  # no step thread: this test steps
+    running = to_request(proc, case, "run", params, stages=pd)
+    _steps_until(e, running, 3)
+    e.add_request(to_request(proc, case, "prefill-only", params, stages={Stage.PREFILL}))
+    assert leaving_decodes(e, InstanceType.P) == ["run"]  # in the inbox, but no decode
+    late = to_request(proc, case, "late", params, stages=pd)
+    set_role = e.set_role
+
+    def add_then_set_role(role: InstanceType) -> object:
+        e.add_request(late)  # the stream's add, after the switch's wait and its list of leavers
+        return set_role(role)
+
+    e.set_role = add_then_set_role  # type: ignore[method-assign]
+    inst = InstanceRuntime(WorkerSettings(model=str(qwen2_vl_dir), instance_id="w-late", precopy_timeout_s=0))
+    inst.engine = e
+    try:
+        report = await switch_live(inst, InstanceType.P, 0.0)
+        assert report["migrating"] == 2 and inst.last_switch["handover_pending"] == 2
+    finally:
+        assert inst.moving_out is not None
+        inst.moving_out.cancel()
+        await asyncio.gather(inst.moving_out, return_exceptions=True)

@@ -394,7 +394,9 @@ class Engine(PulledBlocks, PreCopy):
                           if stage is None or (r.handoff is not None and r.handoff.stage == stage))
 
     def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
+        """A request held, or added and not yet taken in (its stages say what it runs)."""
+        adds = (arg for kind, arg in list(self._inbox) if kind == "add" and arg.request_id == request_id)
+        return self._requests.get(request_id) or next(adds, None)
 
     # --- synchronous batch API (tests, CLI, bench) -------------------------------------
     def generate_batch(self, requests: Iterable[Request], timeout_s: float = 600.0) -> list[Request]:
@@ -434,12 +436,10 @@ class Engine(PulledBlocks, PreCopy):
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    path = model_dir / "tokenizer.json"
+    return Tokenizer.from_file(str(path)) if path.is_file() else None
 
 
 def make_request(request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
