@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from triptych.error_text import short_error
 from triptych.processor import PromptError
 from triptych.router.config import RouterConfig
 from triptych.router.errors import InvalidRequestError
@@ -100,7 +101,7 @@ def resolve_options(kwargs: dict[str, Any] | None, model: VideoModel, config: Ro
         options = SamplingOptions.from_request({k: v for k, v in kwargs.items() if k in SAMPLING_KEYS},
                                                model.config.sampling_defaults())
     except (PromptError, ValidationError, ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"invalid mm_processor_kwargs: {_short(exc)}", param=_PARAM) from None
+        raise InvalidRequestError(f"invalid mm_processor_kwargs: {short_error(exc)}", param=_PARAM) from None
     cap = config.max_video_sampled_frames
     if (options.num_frames or 0) > cap or options.min_frames > cap:
         raise InvalidRequestError(f"mm_processor_kwargs asks for more than {cap} frames per video",
@@ -155,7 +156,3 @@ def _code(exc: VideoError) -> str:
     return "invalid_video"
 
 
-def _short(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
-    return str(exc)

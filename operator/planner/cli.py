@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 
+from triptych.error_text import short_error
 from triptych.operator.planner.model_shape import read_shape
 from triptych.operator.planner.profile import StepProfile
 from triptych.operator.planner.roofline import roofline_profile
@@ -18,7 +19,6 @@ from triptych.operator.planner.workload import (
     at_rate,
     generate,
     read_trace,
-    short_error,
     stats,
     write_trace,
 )

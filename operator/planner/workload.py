@@ -18,7 +18,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from triptych.error_text import short_error
 
 
 class TraceRequest(BaseModel):
@@ -98,13 +100,6 @@ def generate(spec: WorkloadSpec, seed: int | None = None) -> list[TraceRequest]:
                                 prompt_tokens=max(1, spec.prompt_tokens.sample(rng)),
                                 output_tokens=max(1, spec.output_tokens.sample(rng))))
     return out
-
-
-def short_error(exc: Exception) -> str:
-    """One line for a bad input: a pydantic error as `field: message; ...`."""
-    if isinstance(exc, ValidationError):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
-    return str(exc)
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
