@@ -37,6 +37,20 @@ def _steps_until(engine: Engine, req, num_outputs: int) -> None:
         engine.step()
 
 
+def _stepped_pd_engine(model_dir: Path):
+    """A PD engine this test steps itself (no step thread), and a maker of greedy text
+    requests of 64 tokens (ignore_eos) that prefill and decode, by id."""
+    proc = processor(model_dir)
+    case = next(c for c in make_cases(8) if not c.images)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    e = _engine(model_dir, InstanceType.PD)
+    e.driver.start = lambda: None  # type: ignore[method-assign]  # no step thread: the test steps
+
+    def make(request_id: str, stages: frozenset[Stage] = frozenset({Stage.PREFILL, Stage.DECODE})):
+        return to_request(proc, case, request_id, params, stages=set(stages))
+    return e, make
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_decode_migrated_mid_stream_continues_exactly(qwen2_vl_dir: Path, temperature: float) -> None:
     proc = processor(qwen2_vl_dir)
@@ -263,18 +277,13 @@ async def test_a_live_switch_delivers_the_hand_backs_and_pre_copy_offers_it_asks
     stream does not hang) and the running decode gets its pre-copy offer (the switch does
     not wait out its pre-copy timeout). The test steps the engine itself, so set_role is
     the one that finds them in the inbox."""
-    proc = processor(qwen2_vl_dir)
-    case = next(c for c in make_cases(8) if not c.images)
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    pd = {Stage.PREFILL, Stage.DECODE}
-    e = _engine(qwen2_vl_dir, InstanceType.PD)
-    e.driver.start = lambda: None  # type: ignore[method-assign]  # no step thread: this test steps
+    e, make = _stepped_pd_engine(qwen2_vl_dir)
 
     async def collect(req, into: list) -> None:
         async for out in e.generate(req, timeout_s=30):
             into.append(out)
 
-    running, queued = to_request(proc, case, "run", params, stages=pd), to_request(proc, case, "q", params, stages=pd)
+    running, queued = make("run"), make("q")
     ran: list = []
     run_task = asyncio.create_task(collect(running, ran))
     while len(running.output_token_ids) < 3:
@@ -311,17 +320,12 @@ async def test_a_live_switch_moves_out_a_decode_added_while_the_role_changes(qwe
     from triptych.worker.live_switch import leaving_decodes, switch_live
     from triptych.worker.settings import WorkerSettings
 
-    proc = processor(qwen2_vl_dir)
-    case = next(c for c in make_cases(8) if not c.images)
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    pd = {Stage.PREFILL, Stage.DECODE}
-    e = _engine(qwen2_vl_dir, InstanceType.PD)
-    e.driver.start = lambda: None  # type: ignore[method-assign]  # no step thread: this test steps
-    running = to_request(proc, case, "run", params, stages=pd)
+    e, make = _stepped_pd_engine(qwen2_vl_dir)
+    running = make("run")
     _steps_until(e, running, 3)
-    e.add_request(to_request(proc, case, "prefill-only", params, stages={Stage.PREFILL}))
+    e.add_request(make("prefill-only", frozenset({Stage.PREFILL})))
     assert leaving_decodes(e, InstanceType.P) == ["run"]  # in the inbox, but no decode
-    late = to_request(proc, case, "late", params, stages=pd)
+    late = make("late")
     set_role = e.set_role
 
     def add_then_set_role(role: InstanceType) -> object:
