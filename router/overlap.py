@@ -2,25 +2,21 @@
 instance; EPDServe §3.2.4's migrate, without the stream's pause for the hop).
 
 A decode handed over live (`MigratingEvent.live`) goes on decoding at its source while
-its takeover (router/takeover.py) pulls the KV as of the hand-over, admits the decode and
-samples it too. `Overlap` relays the source's tokens to the client meanwhile and feeds each
-to the target (`Takeover.feed`: it takes them in at its next step, computing their KV in one
-chunk, so it catches up however far behind it is; worker/engine/token_feed.py). The target's
-tokens come by output index and are checked against what the client got, and after each
-step in which it took fed tokens in it says which index it samples next (an event without
-tokens). The overlap cuts over as soon as the target has caught up: a target token the
-client lacks goes to the client at once (the target got ahead: the hop costs the stream
-nothing), or the target is level with the client (its step now computes the client's next
-token: the stream waits for that step alone, not for a call, a step in flight and a step). A target
-still behind after `MAX_BEHIND` of its tokens is cut over to anyway (its next step takes
-in what it lacks). The caller then closes the source (aborting it there) and reads the rest
-from the target, which drops what the client already has (`Takeover.expect`).
+its takeover (router/takeover.py) pulls the KV as of the hand-over and admits the decode.
+`Overlap` relays the source's tokens to the client meanwhile. Once the target has the
+decode in its engine (its stream's first event, an empty `tokens` event), the overlap
+cuts over right after the next token it relays from the source: `Takeover.lead` sends
+the target the tokens the source streamed since the hand-over (worker/engine/
+token_feed.py: their KV is computed with the next sample), the target samples from the
+client's next index on, and the caller closes the source (aborting it there) and reads
+the rest from the target. The stream waits for no pull and no admission — only for the
+cut: the lead's call, the target's step in flight and one step.
 
 Either side may end first: the source finishing ends the request (the target is closed);
 a source that fails or is stopped before the cut (a switch's deadline) leaves the target
-to lead as soon as it is ready. A target that fails, moves on or samples a token the client
-did not get at that index is let go, and the source finishes the decode (it keeps decoding
-until its stream is closed).
+to lead as soon as it is ready. A target that fails, moves on or does not take the lead
+is let go, and the source finishes the decode (it keeps decoding until its stream is
+closed).
 """
 
 from __future__ import annotations
@@ -39,9 +35,6 @@ from triptych.topology import Stage
 log = logging.getLogger("triptych.router.overlap")
 
 
-MAX_BEHIND = 8  # target tokens that find it behind the client before the cut is forced
-
-
 class Overlap:
     """One live hand-over's merge of its source's and its target's streams (choice 0)."""
 
@@ -49,15 +42,13 @@ class Overlap:
         self.source = source
         self.takeover = takeover
         self.handed_over = len(kv.generated) + 1  # output tokens when the source handed over
-        self.relayed: list[int] = []  # the tokens the client got since, in order
+        self.relayed: list[int] = []  # the source's tokens since, as the client got them
         self.finished: FinishedEvent | None = None  # the request ended during the overlap...
         self.finished_by: Instance | None = None  # ...on this instance's stream
-        self.took_over = False  # cut over: the rest comes from the target
-        self.cut_index: int | None = None  # the output index of the client's first token from the target
+        self.took_over = False  # cut over: the target samples from `next_index`
         self._ready = False  # the target has the decode in its engine
         self._gone: set[str] = set()  # sides no longer read
-        self._cut_due = False  # the target caught up with the client
-        self._behind = 0  # target tokens that came while it was behind
+        self._cut_due = False  # a token was just relayed from the source, the target ready
 
     @property
     def next_index(self) -> int:
@@ -93,8 +84,12 @@ class Overlap:
                         reads[asyncio.ensure_future(anext(streams[side]))] = side
                 due, self._cut_due = self._cut_due, False
                 if self._ready and "target" not in self._gone and ("source" in self._gone or due):
-                    self._cut()
-                    return
+                    log.info("overlap of %s: cut over after %d tokens from the source",
+                             self.takeover.request_id, len(self.relayed))
+                    if await self.takeover.lead(self.handed_over, self.relayed):
+                        self.took_over = True
+                        return
+                    self._let_go("target", "it did not take the lead")
                 for r in [r for r, s in reads.items() if s in self._gone]:
                     r.cancel()
                     del reads[r]
@@ -107,18 +102,6 @@ class Overlap:
                 for read, side in reads.items():
                     if side == "target" and not read.cancelled():
                         self.takeover.unread(_outcome(read))
-
-    def _cut(self) -> None:
-        """Cut over to the target: it has every token the client got, or is fed them (the
-        lead records where the cut is); what it streams of them is dropped from now on."""
-        if self.cut_index is None:
-            self.cut_index = self.next_index
-        log.info("overlap of %s: cut over at output index %d (%d tokens from the source, %d behind before)",
-                 self.takeover.request_id, self.cut_index, self.cut_index - self.handed_over, self._behind)
-        lead = self.relayed[:self.cut_index - self.handed_over]
-        self.takeover.feed(self.handed_over, lead, lead=True)
-        self.takeover.expect(self.handed_over, self.relayed)
-        self.took_over = True
 
     def _let_go(self, side: str, why: str) -> None:
         log.info("overlap of %s: the %s went (%s)", self.takeover.request_id, side, why)
@@ -133,54 +116,19 @@ class Overlap:
                 self._let_go("source", "aborted")
             else:
                 self.finished, self.finished_by = event, self.source
-        elif isinstance(event, TokensEvent) and event.token_ids:
-            if "target" not in self._gone:
-                self.takeover.feed(self.next_index, event.token_ids)
+        elif isinstance(event, TokensEvent):
             self.relayed += event.token_ids
+            self._cut_due = self._ready
             return [TokenEvent(token_ids=event.token_ids, logprobs=event.logprobs)]
         return []
 
     def _target(self, event: StageEvent) -> list[TokenEvent]:
         if isinstance(event, FinishedEvent):  # before the cut: it ended as the source did
             self.finished, self.finished_by = event, self.takeover.target
-        elif isinstance(event, TokensEvent) and event.token_ids:
+        elif isinstance(event, TokensEvent) and not event.token_ids:  # in its engine, following
             self._ready = True
-            return self._target_tokens(event)
-        elif isinstance(event, TokensEvent) and not self._ready:
-            # In its engine. Not cut over to yet even if level: its first step (the joining
-            # one, slower than any after it) races the source's next step instead.
-            self._ready = True
-        elif isinstance(event, TokensEvent):
-            # It took fed tokens in: its next step samples output index `start`. The
-            # client's next one: level, the cut.
-            self._cut_due = event.start == self.next_index
         elif event.type in ("migrating", "precopy"):  # it moves on before the cut
             self._let_go("target", "it hands the decode on")
-        return []
-
-    def _target_tokens(self, event: TokensEvent) -> list[TokenEvent]:
-        """Tokens the target sampled, by output index: those the client has must match; any
-        it lacks go to it now and the cut follows, as it does once the target is level."""
-        start = event.start
-        if start is None or not self.handed_over <= start <= self.next_index:  # a gap cannot happen
-            self._let_go("target", f"its tokens start at output index {start}, not in [{self.handed_over}, "
-                                   f"{self.next_index}]")
-            return []
-        known = min(len(event.token_ids), self.next_index - start)  # the client has these
-        if event.token_ids[:known] != self.relayed[start - self.handed_over:start - self.handed_over + known]:
-            self._let_go("target", "it sampled a token the client did not get at that index")
-            return []
-        ahead = event.token_ids[known:]
-        if ahead:
-            self.cut_index = self.next_index
-            self.relayed += ahead
-            self._cut_due = True
-            return [TokenEvent(token_ids=ahead, logprobs=event.logprobs[known:] if event.logprobs else None)]
-        if start + known == self.next_index:  # level with the client: its step in flight samples the next
-            self._cut_due = True
-        else:
-            self._behind += 1
-            self._cut_due = self._behind >= MAX_BEHIND
         return []
 
 

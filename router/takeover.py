@@ -11,10 +11,9 @@ event once the source stops the decode. The stop-and-copy then costs one line on
 connection and a pull of the last, partial block(s) — not a new hop and all of the KV.
 
 A source that hands the decode over live (`MigratingEvent.live`: make-before-break) keeps
-decoding while the target pulls, admits and samples the decode too; `feed` sends the target
-the tokens the source streams (`POST /internal/feed`, through the target's `Feeder`) so that
-it catches up, and once the router cut over (router/overlap.py), `expect` drops what the
-target streams of the tokens the client already has.
+decoding while the target pulls; `lead` cuts over (router/overlap.py): it sends the target
+the tokens the source streamed since the hand-over (`POST /internal/feed`), from which the
+target samples on.
 
 A takeover that is never handed over (the decode finished at its source, the client went
 away, or the chosen instance no longer takes decodes) is closed: its connection drops and
@@ -33,65 +32,13 @@ import httpx
 from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageClient, StageFailure
-from triptych.stage_protocol import (
-    FeedBatch,
-    FeedRequest,
-    FeedTaken,
-    HandOver,
-    KVSource,
-    StageEvent,
-    StageRequest,
-    TokensEvent,
-)
-from triptych.topology import Stage
+from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent, StageRequest
 
 log = logging.getLogger("triptych.router.takeover")
 
-FEED_TIMEOUT_S = 2.0  # a feed's call
-FEEDS_PER_CALL = 1024  # FeedBatch's bound
+FEED_TIMEOUT_S = 2.0  # the cut-over's call; a target that did not take it is never cut over to
 
 END = object()  # what `events` ends at (also for `unread`)
-
-
-class Feeder:
-    """The feeds for every live takeover on one instance, one call at a time: what comes
-    while a call is out goes in the next one. A switch moves a whole batch of decodes at
-    once, and the target runs at its own share of a CPU: it serves one call a round, not
-    one per decode and token."""
-
-    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
-        self._client, self._url = client, url
-        self._pending: list[tuple[FeedRequest, asyncio.Future[bool]]] = []
-        self._task: asyncio.Task[None] | None = None
-
-    def send(self, feed: FeedRequest) -> asyncio.Future[bool]:
-        """Queue `feed`; the future says whether the instance took it (False on failure)."""
-        taken: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending.append((feed, taken))
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run())
-        return taken
-
-    async def _run(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending[:FEEDS_PER_CALL], self._pending[FEEDS_PER_CALL:]
-            answers = await self._post(FeedBatch(feeds=[f for f, _ in batch]))
-            for (_, taken), ok in zip(batch, answers, strict=True):
-                if not taken.done():
-                    taken.set_result(ok)
-
-    async def _post(self, batch: FeedBatch) -> list[bool]:
-        try:
-            resp = await self._client.post(f"{self._url}/internal/feed", content=batch.model_dump_json(),
-                                           headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
-            if resp.status_code == 200:
-                taken = FeedTaken.model_validate_json(resp.content).taken
-                if len(taken) == len(batch.feeds):
-                    return taken
-            log.info("feeds to %s: answered %d", self._url, resp.status_code)
-        except (httpx.HTTPError, ValueError) as exc:
-            log.info("feeds to %s failed: %s", self._url, exc)
-        return [False] * len(batch.feeds)
 
 
 class Takeover:
@@ -100,14 +47,13 @@ class Takeover:
     would (its failures raised there)."""
 
     def __init__(self, stages: StageClient, target: Instance, sreq: StageRequest, read_timeout_s: float,
-                 waits: WaitClock, feeder: Feeder) -> None:
+                 waits: WaitClock) -> None:
         self.target, self.request_id = target, sreq.request_id
         self._tail: asyncio.Future[HandOver] = asyncio.get_running_loop().create_future()
         self._tail_sent = False
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._queue_front: deque[object] = deque()  # put back by `unread`
-        self._feeder = feeder
-        self._expected: tuple[int, list[int]] | None = None  # set by `expect`
+        self._client = stages.client
         first = sreq.model_dump_json().encode() + b"\n"
         self._task = asyncio.create_task(self._run(stages, sreq, read_timeout_s, waits, first))
 
@@ -129,22 +75,21 @@ class Takeover:
                 return
             if isinstance(item, BaseException):
                 raise item
-            if isinstance(item, TokensEvent) and self._expected is not None:
-                item = past_expected(item, *self._expected, self.target)
-                if item is None:
-                    continue
             yield item  # type: ignore[misc]
 
-    def feed(self, start: int, token_ids: list[int], lead: bool = False) -> asyncio.Future[bool]:
-        """Send the target tokens its source streamed (output indices from `start`); with
-        `lead`, the cut-over is at `start + len(token_ids)` (recorded there)."""
-        return self._feeder.send(FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids,
-                                             lead=lead))
-
-    def expect(self, start: int, token_ids: list[int]) -> None:
-        """The client has `token_ids` from output index `start` on (the cut-over): what the
-        target streams of them is checked against them and dropped."""
-        self._expected = (start, list(token_ids))
+    async def lead(self, start: int, token_ids: list[int]) -> bool:
+        """The cut-over of a live hand-over (router/overlap.py): the tokens the source
+        streamed since the hand-over (output indices from `start`), after which the target
+        samples. False when the target did not take it (it cannot lead: the source must
+        finish the decode)."""
+        body = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=True)
+        try:
+            resp = await self._client.post(f"{self.target.url}/internal/feed", content=body.model_dump_json(),
+                                           headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            log.info("lead of %s on %s failed: %s", self.request_id, self.target.url, exc)
+            return False
+        return resp.status_code == 204
 
     def close(self) -> None:
         """Drop the hop (unused, or its reader gone): the instance sees the connection end."""
@@ -173,22 +118,3 @@ class Takeover:
             self._queue.put_nowait(failure)
         except BaseException as exc:  # a client error (BackendError) goes to the reader as it is
             self._queue.put_nowait(exc)
-
-
-def past_expected(event: TokensEvent, start: int, had: list[int], target: Instance) -> TokensEvent | None:
-    """`event` (a takeover's tokens, by output index) less those the client has, `had` from
-    index `start` on (None if nothing is left, or it carried none). A token that differs from the client's at
-    its index is a failure: the target's decode is not the stream's."""
-    if not event.token_ids:  # a takeover's progress: its cut is over
-        return None
-    if event.start is None or event.start >= start + len(had):
-        return event
-    skip = min(len(event.token_ids), start + len(had) - event.start)
-    for i, token in enumerate(event.token_ids[:skip], start=event.start):
-        if i >= start and had[i - start] != token:
-            raise StageFailure(target, f"{target.url} sampled token {token} at output index {i} where the stream "
-                               f"has {had[i - start]}", stage=Stage.DECODE)
-    if skip == len(event.token_ids):
-        return None
-    return event.model_copy(update={"token_ids": event.token_ids[skip:], "start": event.start + skip,
-                                    "logprobs": event.logprobs[skip:] if event.logprobs else None})

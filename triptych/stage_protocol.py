@@ -321,19 +321,18 @@ class MigratingEvent(BaseModel):
     kv: KVSource
     index: int = 0  # the choice (n > 1)
     # Make-before-break: the instance goes on decoding the stream (its tokens keep coming
-    # here) until the router closes it, once the decode's next instance has caught up with
-    # it (router/overlap.py): that instance is fed the tokens relayed meanwhile
-    # (FeedRequest) and samples on its own. A router with no takeover for the decode
-    # closes it at once.
+    # here) until the router closes it, right after a token it relayed once the decode's
+    # next instance is ready; that instance gets the tokens relayed since (FeedRequest with
+    # `lead`) and samples on. A router with no takeover for the decode closes it at once.
     live: bool = False
 
 
 class FeedRequest(BaseModel):
-    """Output tokens a migrated decode's source sampled after its live hand-over
-    (`MigratingEvent.live`), for the decode's takeover on this instance to take in
-    (worker/engine/token_feed.py). Keyed by output index: repeats are no-ops. `lead`: the
-    router cut over at `start + len(token_ids)` (the source is closed); recorded, nothing
-    waits for it."""
+    """`POST /internal/feed`: output tokens a migrated decode's source sampled after its
+    live hand-over (`MigratingEvent.live`), for the decode's takeover on this instance to
+    follow (worker/engine/token_feed.py). Keyed by output index: repeats are no-ops.
+    `lead`: the router cut over (the source is closed): the decode samples once it holds
+    start + len(token_ids) tokens."""
 
     request_id: str
     start: int = Field(ge=0)  # the output index of token_ids[0]
@@ -347,24 +346,10 @@ class FeedRequest(BaseModel):
         return self
 
 
-class FeedBatch(BaseModel):
-    """`POST /internal/feed`: the feeds for this instance's takeovers that the router had
-    when it called (router/takeover.py `Feeder`: one call at a time per instance)."""
-
-    feeds: list[FeedRequest] = Field(min_length=1, max_length=1024)
-
-
-class FeedTaken(BaseModel):
-    """The answer to a `FeedBatch`: per feed, whether a live takeover here took it (False:
-    none of that id runs here; it ended, or was no live one)."""
-
-    taken: list[bool]
-
-
 class HandOver(KVSource):
     """A takeover's second line (router/takeover.py): the decode's KV as its source handed
-    it over; `live`: the source goes on decoding (make-before-break) while the takeover
-    is fed its tokens and samples alongside, until the router cuts over (router/overlap.py)."""
+    it over; `live`: the source goes on decoding (make-before-break), and the takeover
+    samples nothing until the router cuts over (`FeedRequest.lead`)."""
 
     live: bool = False
 

@@ -235,9 +235,6 @@ def events_for(migration: MigrationService, sreq: StageRequest, out: RequestOutp
     tokens = out.new_token_ids[skip:]
     if tokens:
         events.append(_tokens_event(tokens, out, req))
-    elif req is not None and req.feed is not None and not out.finished and not out.new_token_ids:
-        # A takeover took fed tokens in: it samples output index `start` next (token_feed.py).
-        events.append(TokensEvent(token_ids=[], start=out.num_output_tokens))
     if out.finished:
         reason = out.finish_reason.value if out.finish_reason else "abort"
         events.append(FinishedEvent(finish_reason=reason, timings=out.timings or {}))
@@ -266,13 +263,12 @@ def _line(event: BaseModel) -> bytes:
 
 def merge_tokens(events: list[BaseModel]) -> list[BaseModel]:
     """Consecutive `tokens` events of one choice as one: a stream that fell behind the
-    engine sends everything it owes in one event (one line to write, parse and render).
-    An event without tokens (a takeover's progress) stays as it is."""
+    engine sends everything it owes in one event (one line to write, parse and render)."""
     merged: list[BaseModel] = []
     for event in events:
         last = merged[-1] if merged else None
         if isinstance(event, TokensEvent) and isinstance(last, TokensEvent) and last.index == event.index \
-                and (last.logprobs is None) == (event.logprobs is None) and last.token_ids and event.token_ids:
+                and (last.logprobs is None) == (event.logprobs is None):
             merged[-1] = TokensEvent(token_ids=[*last.token_ids, *event.token_ids], index=event.index,
                                      logprobs=None if event.logprobs is None else [*(last.logprobs or []),
                                                                                    *event.logprobs],
@@ -295,7 +291,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
         takeover.mark(inst, sreq.request_id, "admitted_at")
     inst.inflight += 1
     try:
-        if req.feed is not None:  # a live takeover, its KV pulled: in the engine, sampling
+        if req.feed is not None:  # a live takeover, its KV pulled: the router may cut over now
             yield _line(TokensEvent(token_ids=[], start=streamed))
         async for batch in engine.generate_batches(req, timeout_s=sreq.timeout_s):
             if reserved:  # the request now holds its own references to pulled embeddings

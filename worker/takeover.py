@@ -12,9 +12,9 @@ al., "Live Migration of Virtual Machines", NSDI '05 §3: pre-copy, then stop-and
    hop, and its pull finds the pre-copied blocks cached and reads only the rest.
 
 A source that hands the decode over live (make-before-break, `MigratingEvent.live`, the
-hand-over's `live`) goes on decoding meanwhile; the decode here samples alongside it, fed
-the tokens the source streams (`POST /internal/feed`, `feed`; worker/engine/token_feed.py),
-until the router cuts over to it.
+hand-over's `live`) goes on decoding meanwhile; the decode here follows (samples nothing)
+until the router cuts over with the tokens the source streamed since (`POST
+/internal/feed`, `feed`; worker/engine/token_feed.py).
 
 Nothing is held between the two: pre-copied blocks sit unreferenced in the prefix cache
 (evictable), so a hand-over that never comes leaks nothing.
@@ -91,12 +91,12 @@ async def _receive(inst: InstanceRuntime, sreq: StageRequest, lines: AsyncIterat
 
 def feed(inst: InstanceRuntime, body: FeedRequest) -> bool:
     """Tokens the source of a live takeover here streamed after its hand-over (with `lead`,
-    the cut-over, recorded): the decode takes them at its next step. False when no live
-    takeover of that id runs here (it ended, or was no live one)."""
+    the cut-over): the decode takes them at its next step. False when no live takeover of
+    that id runs here (it ended, or was no live one)."""
     token_feed = inst.feeds.get(body.request_id)
     if token_feed is None:
         return False
-    token_feed.put(body.start, body.token_ids)
+    token_feed.put(body.start, body.token_ids, body.lead)
     moments = _moments(inst, body.request_id)
     if moments is not None:
         moments["fed_tokens"] += len(body.token_ids)

@@ -306,13 +306,13 @@ def test_a_takeover_without_its_hand_over_is_refused_and_holds_nothing(qwen2_vl_
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-async def test_a_decode_handed_over_live_goes_on_at_its_source_while_its_target_samples_alongside(
+async def test_a_decode_handed_over_live_goes_on_at_its_source_while_its_target_follows_then_leads(
         qwen2_vl_dir: Path, pair: tuple[Side, Side], temperature: float) -> None:
     """Make-before-break (worker/engine/token_feed.py): the source hands the decode over
-    with its KV as of now and keeps decoding; the target pulls that KV, takes in the tokens
-    the source sampled since as they are fed (their KV computed in one chunk, never emitted
-    again) and samples from there, exactly the tokens of an uninterrupted run: a fed token
-    at an index the target sampled itself meanwhile changes nothing."""
+    with its KV as of now and keeps decoding; the target pulls that KV and is fed the
+    tokens the source sampled since (their KV computed, nothing sampled, nothing emitted);
+    after the cut-over (the lead) it samples from there on exactly the tokens of an
+    uninterrupted run."""
     src, dst = pair
     proc, case, params, whole = _uninterrupted(qwen2_vl_dir, temperature)
 
@@ -335,21 +335,20 @@ async def test_a_decode_handed_over_live_goes_on_at_its_source_while_its_target_
                       prefilled=PrefilledKV(block_ids, kv.num_tokens, kv.first_token, generated=kv.generated))
     cont.images, cont.feed = {}, TokenFeed()
     start = len(kv.generated) + 1
-    cont.feed.put(start, req.output_token_ids[start:9])  # fed before its admission
+    cont.feed.put(start, req.output_token_ids[start:12])
     cont.feed.put(start, req.output_token_ids[start:start + 2])  # a repeat changes nothing
     dst.engine.add_request(cont)
-    first = [(o.new_token_ids, o.num_output_tokens) for o in dst.engine.step() if o.request_id == "x"]
-    # Its first step took in indices 6..8 (saying so: it samples index 9 next, with no token)
-    # and sampled index 9 itself.
-    assert first == [([], 9), (whole.output_token_ids[9:10], 10)] and dst.engine.scheduler.counters.steps == 1
-    emitted = whole.output_token_ids[9:10]
-    cont.feed.put(9, req.output_token_ids[9:12])  # the source's 9 (had already), 10 and 11
+    emitted: list[int] = []
+    for _ in range(3):  # following: the fed tokens' KV computed in one chunk, nothing sampled
+        emitted += [t for o in dst.engine.step() if o.request_id == "x" for t in o.new_token_ids]
+    assert emitted == [] and cont.output_token_ids == whole.output_token_ids[:12]
+    assert cont.num_computed_tokens == cont.num_tokens - 1 and dst.engine.scheduler.counters.steps == 1
+    cont.feed.put(12, [], lead=True)  # the cut-over: the source stopped at 12 tokens
     while not cont.is_finished:
         emitted += [t for o in dst.engine.step() if o.request_id == "x" for t in o.new_token_ids]
     assert cont.output_token_ids == whole.output_token_ids and cont.finish_reason == FinishReason.LENGTH
-    # None of the fed tokens (nor the earlier ones) again: 10 and 11 came in with the next sample.
-    assert emitted == whole.output_token_ids[9:10] + whole.output_token_ids[12:]
-    assert dst.engine.scheduler.counters.steps == len(whole.output_token_ids) - 11 and cont.feed.mismatches == 0
+    assert emitted == whole.output_token_ids[12:]  # none of the fed tokens (nor the earlier ones) again
+    assert dst.engine.scheduler.counters.steps == 1 + 12 and cont.feed.mismatches == 0
 
     src.engine.abort("x")  # the router closed the source's stream
     src.engine.step()
@@ -367,8 +366,9 @@ def test_a_token_feed_gives_the_tokens_that_extend_the_decode_in_order() -> None
     assert feed.take([0, 1, 2, 3, 4]) == [50, 51]
     feed.put(6, [61, 70])  # 6 is had already (and differs: counted), 7 fills the gap
     assert feed.take([0, 1, 2, 3, 4, 50, 51]) == [70, 80] and feed.mismatches == 1
-    feed.put(9, [90, 91])  # the decode sampled index 9 itself meanwhile: only 10 extends it
-    assert feed.take([0, 1, 2, 3, 4, 50, 51, 70, 80, 90]) == [91] and feed.mismatches == 1
+    assert feed.following(9)  # no cut yet
+    feed.put(9, [90], lead=True)  # the last token the source streamed, and the cut
+    assert feed.lead_at == 10 and feed.following(9) and not feed.following(10)
 
 
 def test_a_feed_reaches_only_a_live_takeover_and_is_recorded_in_its_moments() -> None:
@@ -380,6 +380,6 @@ def test_a_feed_reaches_only_a_live_takeover_and_is_recorded_in_its_moments() ->
     assert not takeover.feed(inst, FeedRequest(request_id="other", start=5, token_ids=[1]))
     assert takeover.feed(inst, FeedRequest(request_id="r.t1", start=5, token_ids=[50, 51]))
     assert takeover.feed(inst, FeedRequest(request_id="r.t1", start=7, token_ids=[52], lead=True))
-    assert inst.feeds["r.t1"].take([0, 1, 2, 3, 4]) == [50, 51, 52]
+    assert inst.feeds["r.t1"].take([0, 1, 2, 3, 4]) == [50, 51, 52] and inst.feeds["r.t1"].lead_at == 8
     assert moments["fed_tokens"] == 3 and moments["feeds"] == 2 and moments["lead_index"] == 8
     assert moments["led_at"] is not None

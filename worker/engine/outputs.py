@@ -47,9 +47,7 @@ class OutputProcessor:
         self.released: OrderedDict[str, int] = OrderedDict()
 
     def process(self, batch: ScheduledBatch, sampled: Sampled) -> list[RequestOutput]:
-        """Advance every request of `batch` past what the step computed; then migrated
-        decodes take in the tokens fed to them meanwhile (`absorb_feeds`), so that the
-        outputs say what the next step samples."""
+        """Advance every request of `batch` past what the step computed."""
         outputs = []
         now = time.monotonic()
         counters = self.scheduler.counters
@@ -82,7 +80,7 @@ class OutputProcessor:
         if num_decodes:
             counters.decode_steps += 1
             counters.decode_tokens += num_decodes
-        return outputs + self.absorb_feeds()
+        return outputs
 
     def append_token(self, req: Request, token: int, logprob: dict | None, now: float) -> RequestOutput | None:
         req.output_token_ids.append(token)
@@ -171,21 +169,16 @@ class OutputProcessor:
         _remember(self.moved_out, req.request_id, len(req.output_token_ids))
 
     def absorb_feeds(self) -> list[RequestOutput]:
-        """Between steps: the tokens fed to migrated decodes (token_feed.py) join them, as
+        """Before a step: the tokens fed to migrated decodes (token_feed.py) join them, as
         tokens of their stream already sent (their KV is computed with the next sample);
-        a decode ends where a fed token ends it (its source ended there too). A decode that
-        took some in and goes on gets an output without tokens: its length says which
-        output index its next step samples (the router cuts over when that is the
-        client's next one, router/overlap.py)."""
+        a decode ends where a fed token ends it (its source ended there too)."""
         outputs = []
         for req in [r for r in self.scheduler.running if r.feed is not None and r.prefill_done]:
-            out = None
             for token in req.feed.take(req.output_token_ids):
                 out = self.append_token(req, token, None, time.monotonic())
                 if out is not None and out.finished:
+                    outputs.append(out)
                     break
-            if out is not None:
-                outputs.append(out if out.finished else self.output(req, []))
         return outputs
 
     def hand_back(self) -> list[RequestOutput]:

@@ -183,8 +183,14 @@ class Scheduler:
         for req in list(self.running):
             if req.prefill_done and req in self.running:
                 end = req.num_tokens
+                # A migrated decode following its source (token_feed.py) samples nothing
+                # until the cut-over: its last token waits (tokens fed before, if any, run).
+                if req.feed is not None and req.feed.following(len(req.output_token_ids)):
+                    end -= 1
+                    if end <= req.num_computed_tokens:
+                        continue
                 if self._reserve_kv(req, end, batch):
-                    # One token, or the tokens fed to a migrated decode (token_feed.py) and its next.
+                    # One token, or the tokens fed to a migrated decode (and its next).
                     batch.chunks.append(Chunk(req, req.num_computed_tokens, end))
                     self._tokens_left -= end - req.num_computed_tokens
                     if req.timings.first_scheduled is None:  # entered prefilled: its decode queue ends now
