@@ -12,8 +12,8 @@ connection and a pull of the last, partial block(s) — not a new hop and all of
 
 A source that hands the decode over live (`MigratingEvent.live`: make-before-break) keeps
 decoding while the target pulls; `lead` cuts over (router/overlap.py): it sends the target
-the tokens the source streamed since the hand-over (`POST /internal/feed`, through the
-target's `Feeder`), from which the target samples on.
+the tokens the source streamed since the hand-over (`POST /internal/feed`), from which the
+target samples on.
 
 A takeover that is never handed over (the decode finished at its source, the client went
 away, or the chosen instance no longer takes decodes) is closed: its connection drops and
@@ -32,74 +32,13 @@ import httpx
 from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageClient, StageFailure
-from triptych.stage_protocol import (
-    FeedBatch,
-    FeedRequest,
-    FeedTaken,
-    HandOver,
-    KVSource,
-    StageEvent,
-    StageRequest,
-)
+from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent, StageRequest
 
 log = logging.getLogger("triptych.router.takeover")
 
 FEED_TIMEOUT_S = 2.0  # the cut-over's call; a target that did not take it is never cut over to
-FEEDS_PER_CALL = 1024  # FeedBatch's bound
 
 END = object()  # what `events` ends at (also for `unread`)
-
-
-class Feeder:
-    """The feeds (cut-overs) for every live takeover on one instance, one call at a time:
-    what comes while a call is out goes in the next one. A switch moves a whole batch of
-    decodes at once, and their cuts come together (each right after the source's next
-    step); the target, at its own share of a CPU, then serves two calls, not one a decode."""
-
-    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
-        self._client, self._url = client, url
-        self._pending: list[tuple[FeedRequest, asyncio.Future[bool]]] = []
-        self._task: asyncio.Task[None] | None = None
-
-    def send(self, feed: FeedRequest) -> asyncio.Future[bool]:
-        """Queue `feed`; the future says whether the instance took it (False on failure)."""
-        taken: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._pending.append((feed, taken))
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run())
-        return taken
-
-    async def _run(self) -> None:
-        try:
-            while self._pending:
-                batch, self._pending = self._pending[:FEEDS_PER_CALL], self._pending[FEEDS_PER_CALL:]
-                answers = [False] * len(batch)
-                try:
-                    answers = await self._post(FeedBatch(feeds=[f for f, _ in batch]))
-                finally:
-                    _settle(batch, answers)
-        finally:  # cancelled (the router stops): nothing waits on a feed forever
-            batch, self._pending = self._pending, []
-            _settle(batch, [False] * len(batch))
-
-    async def _post(self, batch: FeedBatch) -> list[bool]:
-        try:
-            resp = await self._client.post(f"{self._url}/internal/feed", content=batch.model_dump_json(),
-                                           headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
-            if resp.status_code == 200:
-                taken = FeedTaken.model_validate_json(resp.content).taken
-                if len(taken) == len(batch.feeds):
-                    return taken
-            log.info("feeds to %s: answered %d", self._url, resp.status_code)
-        except (httpx.HTTPError, ValueError) as exc:
-            log.info("feeds to %s failed: %s", self._url, exc)
-        return [False] * len(batch.feeds)
-
-
-def _settle(batch: list[tuple[FeedRequest, asyncio.Future[bool]]], answers: list[bool]) -> None:
-    for (_, taken), ok in zip(batch, answers, strict=True):
-        if not taken.done():
-            taken.set_result(ok)
 
 
 class Takeover:
@@ -108,13 +47,13 @@ class Takeover:
     would (its failures raised there)."""
 
     def __init__(self, stages: StageClient, target: Instance, sreq: StageRequest, read_timeout_s: float,
-                 waits: WaitClock, feeder: Feeder) -> None:
+                 waits: WaitClock) -> None:
         self.target, self.request_id = target, sreq.request_id
         self._tail: asyncio.Future[HandOver] = asyncio.get_running_loop().create_future()
         self._tail_sent = False
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._queue_front: deque[object] = deque()  # put back by `unread`
-        self._feeder = feeder
+        self._client = stages.client
         first = sreq.model_dump_json().encode() + b"\n"
         self._task = asyncio.create_task(self._run(stages, sreq, read_timeout_s, waits, first))
 
@@ -143,8 +82,14 @@ class Takeover:
         streamed since the hand-over (output indices from `start`), after which the target
         samples. False when the target did not take it (it cannot lead: the source must
         finish the decode)."""
-        return await self._feeder.send(FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids,
-                                                   lead=True))
+        body = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=True)
+        try:
+            resp = await self._client.post(f"{self.target.url}/internal/feed", content=body.model_dump_json(),
+                                           headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            log.info("lead of %s on %s failed: %s", self.request_id, self.target.url, exc)
+            return False
+        return resp.status_code == 204
 
     def close(self) -> None:
         """Drop the hop (unused, or its reader gone): the instance sees the connection end."""

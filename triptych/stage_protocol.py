@@ -328,7 +328,7 @@ class MigratingEvent(BaseModel):
 
 
 class FeedRequest(BaseModel):
-    """One feed of a `FeedBatch` (`POST /internal/feed`): output tokens a migrated decode's source sampled after its
+    """`POST /internal/feed`: output tokens a migrated decode's source sampled after its
     live hand-over (`MigratingEvent.live`), for the decode's takeover on this instance to
     follow (worker/engine/token_feed.py). Keyed by output index: repeats are no-ops.
     `lead`: the router cut over (the source is closed): the decode samples once it holds
@@ -344,20 +344,6 @@ class FeedRequest(BaseModel):
         if not self.token_ids and not self.lead:
             raise ValueError("a feed carries tokens, or the lead")
         return self
-
-
-class FeedBatch(BaseModel):
-    """`POST /internal/feed`: the feeds for this instance's takeovers that the router had
-    when it called (router/takeover.py `Feeder`: one call at a time per instance)."""
-
-    feeds: list[FeedRequest] = Field(min_length=1, max_length=1024)
-
-
-class FeedTaken(BaseModel):
-    """The answer to a `FeedBatch`: per feed, whether a live takeover here took it (False:
-    none of that id runs here; it ended, or was no live one)."""
-
-    taken: list[bool]
 
 
 class HandOver(KVSource):

@@ -32,8 +32,7 @@ from triptych.listen_socket import adopt
 from triptych.stage_protocol import (
     STAGE_FRAME_TYPE,
     WORKER_KEEPALIVE_TIMEOUT_S,
-    FeedBatch,
-    FeedTaken,
+    FeedRequest,
     RoleSwitch,
     StageFrameError,
     StageRequest,
@@ -170,9 +169,9 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         return response
 
     @app.post("/internal/feed")
-    async def feed(body: FeedBatch) -> FeedTaken:
-        # Tokens takeovers' sources sampled after a live hand-over (worker/takeover.py).
-        return FeedTaken(taken=[takeover.feed(inst, f) for f in body.feeds])
+    async def feed(body: FeedRequest) -> Response:
+        # Tokens a takeover's source sampled after a live hand-over (worker/takeover.py).
+        return Response(status_code=204 if takeover.feed(inst, body) else 404)
 
     @app.post("/internal/abort/{request_id}")
     async def abort(request_id: str) -> dict[str, str]:

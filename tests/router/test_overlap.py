@@ -8,22 +8,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 
 from triptych.router.overlap import Overlap
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageFailure
-from triptych.router.takeover import Feeder
-from triptych.stage_protocol import (
-    FeedBatch,
-    FeedRequest,
-    FinishedEvent,
-    KVSource,
-    MigratingEvent,
-    StageEvent,
-    TokensEvent,
-)
+from triptych.stage_protocol import FinishedEvent, KVSource, MigratingEvent, StageEvent, TokensEvent
 from triptych.topology import InstanceType
 
 SOURCE = Instance(url="http://d0", role=InstanceType.D)
@@ -208,35 +198,3 @@ async def test_both_streams_ending_unfinished_is_a_failure():
     overlap = overlap_of(target)
     with pytest.raises(StageFailure, match="both ended"):
         await _drain(overlap, source, [lambda: source.put(None), lambda: target.put(None)])
-
-
-async def test_a_feeder_sends_one_call_at_a_time_with_what_came_meanwhile():
-    """The cut-overs of a switch's moved decodes come together: the target gets the first in
-    a call of its own and the rest in the next one, each caller its own answer."""
-    calls: list[list[tuple[str, int]]] = []
-    gate = asyncio.Event()
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        batch = FeedBatch.model_validate_json(request.content)
-        calls.append([(f.request_id, f.start) for f in batch.feeds])
-        if len(calls) == 1:
-            await gate.wait()  # the first call is out while three more feeds come
-        return httpx.Response(200, json={"taken": [f.request_id != "gone" for f in batch.feeds]})
-
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        feeder = Feeder(client, "http://d1")
-        first = feeder.send(FeedRequest(request_id="a", start=5, token_ids=[1], lead=True))
-        await asyncio.sleep(0.01)
-        later = [feeder.send(FeedRequest(request_id=r, start=6, token_ids=[2], lead=True)) for r in ("b", "c", "gone")]
-        gate.set()
-        assert await asyncio.wait_for(asyncio.gather(first, *later), 5) == [True, True, True, False]
-    assert calls == [[("a", 5)], [("b", 6), ("c", 6), ("gone", 6)]]
-
-
-async def test_a_feed_call_that_fails_takes_nothing():
-    async def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(503, json={"error": {"message": "switching"}})
-
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        taken = Feeder(client, "http://d1").send(FeedRequest(request_id="a", start=5, lead=True))
-        assert await asyncio.wait_for(taken, 5) is False

@@ -301,12 +301,6 @@ def test_a_takeover_without_its_hand_over_is_refused_and_holds_nothing(qwen2_vl_
         assert r.status_code == 400 and "no hand-over" in r.json()["error"]["message"]
         r = client.post("/internal/takeover", content="{not json\n")
         assert r.status_code == 400
-        # The router's feeds for takeovers here come batched: none runs here now.
-        batch = {"feeds": [{"request_id": "r.t1", "start": 5, "token_ids": [7]},
-                           {"request_id": "other", "start": 5, "token_ids": [], "lead": True}]}
-        r = client.post("/internal/feed", json=batch)
-        assert r.status_code == 200 and r.json() == {"taken": [False, False]}
-        assert client.post("/internal/feed", json={"feeds": []}).status_code == 422
         stats = client.get("/admin/stats").json()
     assert stats["kv_cache"]["used"] == 0 and stats["leases_outstanding"] == 0 and stats["num_running"] == 0
 
