@@ -254,6 +254,19 @@ class _SamplingFields(BaseModel):
         return out
 
 
+def continue_final_message_error(messages: list[ChatMessage], continue_final_message: bool,
+                                 add_generation_prompt: bool) -> str | None:
+    """Why `continue_final_message` cannot apply to `messages` (chat and /tokenize); None
+    when it can, or is not asked for."""
+    if not continue_final_message:
+        return None
+    if add_generation_prompt:
+        return "continue_final_message needs add_generation_prompt set to false (the reply continues the last message)"
+    if not messages or messages[-1].role != "assistant":
+        return "continue_final_message needs an assistant message last"
+    return None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     # vLLM's per-request processor options; for videos: fps (default 2), num_frames,
@@ -302,11 +315,9 @@ class ChatCompletionRequest(_SamplingFields):
                      "documents", "media_io_kwargs"):
             if getattr(self, name) is not None:
                 out.append((name, f"{name} is not supported"))
-        if self.continue_final_message and self.add_generation_prompt:
-            out.append(("continue_final_message", "continue_final_message needs add_generation_prompt set to "
-                                                  "false (the reply continues the last message)"))
-        if self.continue_final_message and self.messages[-1].role != "assistant":
-            out.append(("continue_final_message", "continue_final_message needs an assistant message last"))
+        if why := continue_final_message_error(self.messages, self.continue_final_message,
+                                               self.add_generation_prompt):
+            out.append(("continue_final_message", why))
         return out
 
     @property

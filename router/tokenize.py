@@ -15,7 +15,7 @@ from pydantic import Field
 
 from triptych.router.errors import InvalidRequestError, OpenAIError
 from triptych.router.prompt import completion_prompt, prepare_chat, template_messages
-from triptych.router.protocol import ChatMessage, _Strict
+from triptych.router.protocol import ChatMessage, _Strict, continue_final_message_error
 from triptych.router.state import RouterState
 from triptych.version import __version__
 
@@ -55,9 +55,9 @@ def add_routes(app: FastAPI, state: RouterState) -> None:
             raise InvalidRequestError("send exactly one of `prompt` and `messages`", param="prompt")
         if body.messages is not None:
             messages, refs = template_messages(body.messages, state.config)
-            if body.continue_final_message and body.add_generation_prompt:
-                raise InvalidRequestError("continue_final_message needs add_generation_prompt set to false",
-                                          param="continue_final_message")
+            if why := continue_final_message_error(body.messages, body.continue_final_message,
+                                                   body.add_generation_prompt):
+                raise InvalidRequestError(why, param="continue_final_message")
             ids = (await prepare_chat(state, messages, refs, body.add_generation_prompt, body.mm_processor_kwargs,
                                       continue_final_message=body.continue_final_message)).token_ids
         else:

@@ -173,6 +173,13 @@ async def test_continue_final_message_matches_transformers(client, backend, qwen
     r = await client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False,
                                              "continue_final_message": True})
     assert r.json()["tokens"] == expected
+    # /tokenize refuses what chat refuses, with the same words.
+    for body, why in (({"messages": messages, "continue_final_message": True}, "add_generation_prompt set to false"),
+                      ({"messages": messages[:1], "add_generation_prompt": False, "continue_final_message": True},
+                       "an assistant message last")):
+        r = await client.post("/tokenize", json=body)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "continue_final_message"
     # add_generation_prompt=False alone: the template's own rendering, its end-of-turn kept.
     await client.post(CHAT, json=chat_body(add_generation_prompt=False) | {"messages": messages})
     assert backend.requests[-1].prompt_token_ids == hf.tokenizer.encode(
