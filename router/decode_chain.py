@@ -20,7 +20,7 @@ from triptych.router.relay import Relay
 from triptych.router.routing import Chooser, Decision
 from triptych.router.routing_metrics import RoutingMetrics
 from triptych.router.stage_client import StageClient, StageFailure
-from triptych.router.takeover import CutGate, Takeover
+from triptych.router.takeover import Takeover
 from triptych.stage_protocol import (
     FinishedEvent,
     KVSource,
@@ -50,7 +50,6 @@ class DecodeChain:
         self.stages = stages
         self.metrics = metrics
         self.config = config
-        self.cut_gates: dict[str, CutGate] = {}  # by decode instance URL (router/takeover.py)
 
     def decide(self, stage: Stage, outcome: str) -> None:
         self.metrics.decided([Decision(stage, self.chooser.policy_for(stage).value, outcome)])
@@ -207,8 +206,7 @@ class DecodeChain:
                             mm_items=mm_items, kv_source=event.kv, sampling=req.sampling, grammar=req.grammar,
                             timeout_s=self._hop_deadline([Stage.DECODE], req))
         # Its own wait clock: it runs beside the source's hop until the hand-over.
-        gate = self.cut_gates.setdefault(target.url, CutGate())
-        return Takeover(self.stages, target, sreq, self.config.stage_timeout_s, WaitClock(), gate)
+        return Takeover(self.stages, target, sreq, self.config.stage_timeout_s, WaitClock())
 
     def _still_decodes(self, inst: Instance, excluded: set[str]) -> bool:
         return any(i.url == inst.url for i in self.registry.capable(Stage.DECODE, excluded))

@@ -5,9 +5,7 @@ A decode handed over live (`MigratingEvent.live`) goes on decoding at its source
 its takeover (router/takeover.py) pulls the KV as of the hand-over and admits the decode.
 `Overlap` relays the source's tokens to the client meanwhile. Once the target has the
 decode in its engine (its stream's first event, an empty `tokens` event), the overlap
-cuts over right after the next token it relays from the source whose turn it is (the
-target's `CutGate`: a switch's moved decodes cut over one at a time, each joining a step
-of its own; the others stream from their source meanwhile): `Takeover.lead` sends
+cuts over right after the next token it relays from the source: `Takeover.lead` sends
 the target the tokens the source streamed since the hand-over (worker/engine/
 token_feed.py: their KV is computed with the next sample), the target samples from the
 client's next index on, and the caller closes the source (aborting it there) and reads
@@ -85,9 +83,7 @@ class Overlap:
                     if side not in self._gone:
                         reads[asyncio.ensure_future(anext(streams[side]))] = side
                 due, self._cut_due = self._cut_due, False
-                gone = "source" in self._gone  # then the target must lead now, its turn or not
-                if self._ready and "target" not in self._gone and (
-                        gone or due and self.takeover.gate.take(self.takeover.request_id)):
+                if self._ready and "target" not in self._gone and ("source" in self._gone or due):
                     log.info("overlap of %s: cut over after %d tokens from the source",
                              self.takeover.request_id, len(self.relayed))
                     if await self.takeover.lead(self.handed_over, self.relayed):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -33,39 +32,13 @@ import httpx
 from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageClient, StageFailure
-from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent, StageRequest, TokensEvent
+from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent, StageRequest
 
 log = logging.getLogger("triptych.router.takeover")
 
 FEED_TIMEOUT_S = 2.0  # the cut-over's call; a target that did not take it is never cut over to
 
 END = object()  # what `events` ends at (also for `unread`)
-CUT_GATE_HOLD_S = 1.0  # the longest one cut-over keeps its instance's gate
-
-
-class CutGate:
-    """One live cut-over at a time per decode instance (router/overlap.py). A switch moves
-    a batch of decodes at once, and their cuts would come together: each of them then takes
-    in its fed tokens and samples in the same step of the target, a step several times a
-    steady one's length, and every moved stream waits for all of it. One at a time, each
-    cut-over joins a step that grew by one decode; the decodes waiting for their turn go on
-    streaming from their source. A cut-over holds the gate until its target's first token
-    (or it is let go), `CUT_GATE_HOLD_S` at the most."""
-
-    def __init__(self) -> None:
-        self._holder: str | None = None
-        self._since = 0.0
-
-    def take(self, holder: str) -> bool:
-        now = time.monotonic()
-        if self._holder not in (None, holder) and now - self._since < CUT_GATE_HOLD_S:
-            return False
-        self._holder, self._since = holder, now
-        return True
-
-    def release(self, holder: str) -> None:
-        if self._holder == holder:
-            self._holder = None
 
 
 class Takeover:
@@ -74,10 +47,8 @@ class Takeover:
     would (its failures raised there)."""
 
     def __init__(self, stages: StageClient, target: Instance, sreq: StageRequest, read_timeout_s: float,
-                 waits: WaitClock, gate: CutGate) -> None:
+                 waits: WaitClock) -> None:
         self.target, self.request_id = target, sreq.request_id
-        self.gate = gate  # the target's: one cut-over at a time (the caller takes it before `lead`)
-        self._leading = False  # led, its first token not yet read: it holds the gate
         self._tail: asyncio.Future[HandOver] = asyncio.get_running_loop().create_future()
         self._tail_sent = False
         self._queue: asyncio.Queue[object] = asyncio.Queue()
@@ -104,9 +75,6 @@ class Takeover:
                 return
             if isinstance(item, BaseException):
                 raise item
-            if self._leading and isinstance(item, TokensEvent) and item.token_ids:
-                self._leading = False  # its cut-over is done: the next may go
-                self.gate.release(self.request_id)
             yield item  # type: ignore[misc]
 
     async def lead(self, start: int, token_ids: list[int]) -> bool:
@@ -115,25 +83,16 @@ class Takeover:
         samples. False when the target did not take it (it cannot lead: the source must
         finish the decode)."""
         body = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=True)
-        self._leading = True
         try:
             resp = await self._client.post(f"{self.target.url}/internal/feed", content=body.model_dump_json(),
                                            headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
         except httpx.HTTPError as exc:
             log.info("lead of %s on %s failed: %s", self.request_id, self.target.url, exc)
-            self._led_not()
             return False
-        if resp.status_code != 204:
-            self._led_not()
         return resp.status_code == 204
-
-    def _led_not(self) -> None:
-        self._leading = False
-        self.gate.release(self.request_id)
 
     def close(self) -> None:
         """Drop the hop (unused, or its reader gone): the instance sees the connection end."""
-        self.gate.release(self.request_id)
         self._task.cancel()
         if not self._tail.done():
             self._tail.cancel()

@@ -13,7 +13,6 @@ import pytest
 from triptych.router.overlap import Overlap
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageFailure
-from triptych.router.takeover import CutGate
 from triptych.stage_protocol import FinishedEvent, KVSource, MigratingEvent, StageEvent, TokensEvent
 from triptych.topology import InstanceType
 
@@ -48,9 +47,8 @@ class Stream:
 class FakeTakeover(Stream):
     target, request_id = TARGET, "req.t1"
 
-    def __init__(self, refuses_lead: bool = False, gate: CutGate | None = None) -> None:
+    def __init__(self, refuses_lead: bool = False) -> None:
         super().__init__()
-        self.gate = gate or CutGate()
         self.led: list[tuple[int, list[int]]] = []
         self.closed = False
         self.refuses_lead = refuses_lead
@@ -200,88 +198,3 @@ async def test_both_streams_ending_unfinished_is_a_failure():
     overlap = overlap_of(target)
     with pytest.raises(StageFailure, match="both ended"):
         await _drain(overlap, source, [lambda: source.put(None), lambda: target.put(None)])
-
-
-async def test_a_cut_waits_for_its_turn_at_the_target_and_the_stream_goes_on_meanwhile():
-    """A switch's moved decodes cut over one at a time (`CutGate`): while another decode's
-    cut-over holds the target's gate, this one keeps relaying its source's tokens; the first
-    source token after the gate is free is its cut."""
-    gate = CutGate()
-    assert gate.take("other.t1")
-    source, target = Stream(), FakeTakeover(gate=gate)
-    overlap = overlap_of(target)
-    got = await _drain(overlap, source, [
-        lambda: target.put(READY),
-        lambda: source.put(tokens([105])),  # due, but not its turn
-        lambda: gate.release("other.t1"),  # the other's target streamed its first token
-        lambda: source.put(tokens([106])),
-    ])
-    assert got == [[105], [106]] and overlap.took_over and target.led == [(5, [105, 106])]
-    assert not gate.take("next.t1")  # held by this cut-over now (until its first token)
-
-
-async def test_a_source_gone_is_cut_over_from_whatever_the_gate_says():
-    gate = CutGate()
-    assert gate.take("other.t1")
-    source, target = Stream(), FakeTakeover(gate=gate)
-    overlap = overlap_of(target)
-    got = await _drain(overlap, source, [
-        lambda: target.put(READY),
-        lambda: source.put(tokens([105]), FinishedEvent(finish_reason="abort")),
-    ])
-    assert got == [[105]] and overlap.took_over and target.led == [(5, [105])]
-
-
-def test_a_cut_gate_is_held_by_one_cut_over_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    from triptych.router import takeover
-
-    gate = CutGate()
-    assert gate.take("a") and gate.take("a") and not gate.take("b")
-    gate.release("b")  # not the holder: nothing
-    assert not gate.take("b")
-    gate.release("a")
-    assert gate.take("b")
-    monkeypatch.setattr(takeover, "CUT_GATE_HOLD_S", 0.0)  # a holder that never let go: timed out
-    assert gate.take("c")
-
-
-async def test_a_takeover_holds_its_gate_from_its_lead_until_its_first_token_or_its_close():
-    """The real `Takeover` (over a stub stage client): the cut-over holds the target's
-    gate through the lead's call and the target's step, and lets it go at the first token
-    it reads from the target (or when it is closed, or the target does not take the lead)."""
-    import httpx
-
-    from triptych.router.overhead import WaitClock
-    from triptych.router.takeover import Takeover
-    from triptych.stage_protocol import StageRequest
-    from triptych.topology import Stage
-
-    class StubStages:
-        def __init__(self, lead_status: int) -> None:
-            self.client = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(lead_status)))
-            self.events: asyncio.Queue[StageEvent] = asyncio.Queue()
-
-        async def run(self, target, sreq, read_timeout_s, waits, path, content) -> AsyncIterator[StageEvent]:
-            while True:
-                yield await self.events.get()
-
-    def takeover_on(stages: StubStages, gate: CutGate, request_id: str) -> Takeover:
-        sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=[1, 2, 3], kv_source=KV)
-        return Takeover(stages, TARGET, sreq, 5.0, WaitClock(), gate)  # type: ignore[arg-type]
-
-    gate, stages = CutGate(), StubStages(204)
-    first = takeover_on(stages, gate, "a.t1")
-    assert gate.take("a.t1") and await first.lead(5, [105])
-    stages.events.put_nowait(READY)
-    events = first.events()
-    assert await asyncio.wait_for(anext(events), 5) == READY and not gate.take("b.t1")  # no token yet
-    stages.events.put_nowait(tokens([106], start=6))
-    assert (await asyncio.wait_for(anext(events), 5)).token_ids == [106] and gate.take("b.t1")
-    first.close()
-
-    second = takeover_on(stages, gate, "b.t1")  # holds it (taken above): closing lets go
-    second.close()
-    assert gate.take("c.t1")
-    refused = takeover_on(StubStages(404), gate, "c.t1")  # the target ran no such takeover
-    assert not await refused.lead(5, []) and gate.take("d.t1")
-    refused.close()
