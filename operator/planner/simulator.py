@@ -46,6 +46,10 @@ class SimConfig(BaseModel):
     budget_image_pixels: int = Field(448 * 448, ge=1, description="image size the image budget is searched at")
     token_budget: int | None = Field(None, ge=1, description="fixed budget instead of the SLO-derived one")
     image_budget: int | None = Field(None, ge=1)
+    instance_budgets: dict[str, tuple[int, int]] = Field(default_factory=dict, description="per instance type: "
+                                                         "the (token, image) budgets its instances run with, over "
+                                                         "the fixed and SLO-derived ones (a measured deployment's, "
+                                                         "as its workers report them)")
     request_work_s: dict[str, float] = Field(default_factory=dict, description="per instance type: busy time "
                                              "an instance spends on each request it takes on besides its steps "
                                              "(the stage run's HTTP, decoding, transfers)")
@@ -95,9 +99,12 @@ class SimReport(BaseModel):
 def build_instances(topology: dict[InstanceType, int], profile: StepProfile, cfg: SimConfig) -> list[SimInstance]:
     out = []
     for kind, n in topology.items():
-        limit = latency_limit(kind, cfg.ttft_slo_s, cfg.tbt_slo_s, cfg.alpha)
-        tokens = cfg.token_budget or profile.token_budget(limit)
-        images = cfg.image_budget or profile.image_budget(limit, cfg.budget_image_pixels)
+        if kind.value in cfg.instance_budgets:
+            tokens, images = cfg.instance_budgets[kind.value]
+        else:
+            limit = latency_limit(kind, cfg.ttft_slo_s, cfg.tbt_slo_s, cfg.alpha)
+            tokens = cfg.token_budget or profile.token_budget(limit)
+            images = cfg.image_budget or profile.image_budget(limit, cfg.budget_image_pixels)
         out += [SimInstance(f"{kind.value}-{i}", kind, profile, token_budget=tokens, image_budget=images,
                             tbt_slo_s=cfg.tbt_slo_s, request_work_s=cfg.request_work_s.get(kind.value, 0.0))
                 for i in range(n)]

@@ -27,6 +27,7 @@ from triptych.operator.planner.simulator import SimConfig, Simulation, simulate
 from triptych.operator.planner.workload import TraceRequest
 from triptych.tiny_model import tiny_model_path
 from triptych.topology import parse_topology
+from triptych.worker.engine.config import DEFAULT_IMAGE_BUDGET, DEFAULT_TOKEN_BUDGET
 
 
 def shift_args(*extra: str) -> argparse.Namespace:
@@ -176,6 +177,8 @@ def test_simulate_validate_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert len(rows) == 1 and rows[0]["completed"] == 3
     assert rows[0]["measured_ttft_p50_s"] > 0 and rows[0]["simulated_ttft_p50_s"] > 0
     assert rows[0]["error_ttft_p50_s"] is not None
+    # The simulator batched under the budgets the workers reported: the engine's defaults.
+    assert rows[0]["instance_budgets"] == {"EPD": [DEFAULT_TOKEN_BUDGET, DEFAULT_IMAGE_BUDGET]}
 
 
 @pytest.mark.slow
@@ -263,7 +266,8 @@ def test_two_deployments_are_simulated_from_their_pooled_calibration(monkeypatch
         return {"completed": 3, "num_requests": 3, "ttft_p50_s": c.ttft_s, "ttft_p90_s": c.ttft_s,
                 "tpot_p50_s": c.tpot_s, "tpot_p90_s": c.tpot_s}
 
-    runs = iter([sv.MeasuredRun(fast, [report(fast)], 0.5), sv.MeasuredRun(slow, [report(slow)], 0.7)])
+    served = {"EPD": (2048, 8)}  # what the deployments' workers report (the engine's defaults)
+    runs = iter([sv.MeasuredRun(fast, [report(fast)], 0.5, served), sv.MeasuredRun(slow, [report(slow)], 0.7, served)])
     monkeypatch.setattr(sv, "measure_topology", lambda *a, **k: next(runs))
     args = build_parser().parse_args(["bench", "simulate-validate", "--topologies", "EPD", "--rates", "0.1",
                                       "--repeats", "2", "--instance-cpus", "1"])
@@ -277,3 +281,17 @@ def test_two_deployments_are_simulated_from_their_pooled_calibration(monkeypatch
     assert abs(row["error_tpot_p50_s"]) < 2 and row["repeat_spread_tpot_p50_s"] == pytest.approx(40.0)
     assert [c["tpot_s"] for c in row["calibrations"]] == [0.006, 0.009] and row["load_avg_1m"] == 0.7
     assert Calibration(**row["calibrations"][1]) == slow
+    assert row["instance_budgets"] == served  # the simulator batched as the deployments did
+
+
+def test_the_simulated_instances_take_the_budgets_they_are_given_per_type() -> None:
+    """`SimConfig.instance_budgets` (a measured deployment's) over the SLO-derived budgets,
+    for the types it names; the others keep theirs."""
+    from triptych.operator.planner.simulator import build_instances
+
+    profile = roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100")
+    topology = parse_topology("1E1P1D")
+    derived = {i.kind.value: (i.token_budget, i.image_budget) for i in build_instances(topology, profile, SimConfig())}
+    assert derived["P"] != (2048, 8)
+    given = build_instances(topology, profile, SimConfig(instance_budgets={"P": (2048, 8)}))
+    assert {i.kind.value: (i.token_budget, i.image_budget) for i in given} == {**derived, "P": (2048, 8)}

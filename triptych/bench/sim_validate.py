@@ -286,6 +286,7 @@ class MeasuredRun:
     cal: Calibration
     rates: list[dict[str, Any]]  # run_bench's report per rate, in the order of --rates
     load_avg_1m: float
+    budgets: dict[str, tuple[int, int]] = field(default_factory=dict)  # served_budgets
 
 
 def pooled(cals: list[Calibration]) -> Calibration:
@@ -340,6 +341,7 @@ def measure_topology(spec: str, topology: dict[InstanceType, int], model_dir: Pa
         pids: dict[str, list[int]] = {}
         for w in dep.workers:  # worker-<type>-<index>
             pids.setdefault(w.name.split("-")[1], []).append(w.popen.pid)
+        budgets = served_budgets(dep)
         cal = asyncio.run(calibrate_requests(dep.router_url, trace, pids, warmups=args.calibration_warmups))
         cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in cal.cpu_s.items())
         progress(f"== {spec} (run {run + 1}): lone TTFT {cal.ttft_s * 1e3:.1f} ms, TPOT {cal.tpot_s * 1e3:.2f} ms, "
@@ -351,13 +353,26 @@ def measure_topology(spec: str, topology: dict[InstanceType, int], model_dir: Pa
         load_before = os.getloadavg()[0]
         measured = asyncio.run(run_bench(dep.router_url, cfg, [w.url for w in dep.workers]))
         load_after = os.getloadavg()[0]
-    return MeasuredRun(cal, measured["rates"], round(max(load_before, load_after), 2))
+    return MeasuredRun(cal, measured["rates"], round(max(load_before, load_after), 2), budgets)
+
+
+def served_budgets(dep: Any) -> dict[str, tuple[int, int]]:
+    """The (token, image) budgets each instance type's workers run with, as their
+    `/admin/stats` say: the simulator batches as they do (without SLOs a worker runs the
+    engine's defaults, not what the simulator would derive from the bench's SLO)."""
+    out: dict[str, tuple[int, int]] = {}
+    for w in dep.workers:  # worker-<type>-<index>
+        stats = httpx.get(f"{w.url}/admin/stats", headers=dep.admin_headers, timeout=10).json()
+        out.setdefault(w.name.split("-")[1], (int(stats["token_budget"]), int(stats["image_budget"])))
+    return out
 
 
 def fit_for(topology: dict[InstanceType, int], profile: StepProfile, trace: list[TraceRequest],
-            cal: Calibration, args: argparse.Namespace) -> Fitted:
-    """The simulator fitted to one calibration (`--fit-overheads`, then `--lone-noise`)."""
-    fit = Fitted(profile, SimConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo))
+            cal: Calibration, args: argparse.Namespace, budgets: dict[str, tuple[int, int]] | None = None) -> Fitted:
+    """The simulator fitted to one calibration (`--fit-overheads`, then `--lone-noise`),
+    its instances batching under `budgets` (served_budgets) where given."""
+    fit = Fitted(profile, SimConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+                                    instance_budgets=budgets or {}))
     if args.fit_overheads:
         fit = fit_overheads(topology, profile, with_template(trace, cal.template_tokens)[:1], fit.cfg, cal,
                             args.fit_request_work, args.instance_cpus)
@@ -375,8 +390,8 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
     11.7% against 12.5% mean |error| over two runs.)"""
     runs = [measure_topology(spec, topology, model_dir, trace, args, k) for k in range(args.repeats)]
     cal = pooled([r.cal for r in runs])
-    fit = fit_for(topology, profile, trace, cal, args)
-    progress(f"== {spec}: fitted {fit.describe()}")
+    fit = fit_for(topology, profile, trace, cal, args, runs[0].budgets)
+    progress(f"== {spec}: fitted {fit.describe()}; budgets (tokens, images) {runs[0].budgets}")
     sim_trace = with_template(trace, cal.template_tokens)
     rows = []
     for i, rate in enumerate(args.rates):
@@ -386,6 +401,7 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
                                "lone_tpot_s": cal.tpot_s, "lone_instance_cpu_s": cal.cpu_s,
                                "ttft_noise_s": fit.cfg.ttft_noise_s, "tpot_noise": fit.cfg.tpot_noise,
                                "calibrations": [asdict(r.cal) for r in runs],
+                               "instance_budgets": fit.cfg.instance_budgets,
                                "load_avg_1m": max(r.load_avg_1m for r in runs)}
         for m in METRICS:
             row[f"simulated_{m}"] = getattr(sim, m)
