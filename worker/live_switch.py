@@ -65,7 +65,11 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
     await wait_for(lambda: not inst.preparing, s.drain_timeout_s)
     leaving = leaving_decodes(engine, role)
     offloaded = time.monotonic()
-    await asyncio.to_thread(engine.set_role, role)  # in place: same parts (role_change.same_parts)
+    # In place (same parts, role_change.same_parts): at once unless a step holds the engine
+    # right now. A thread hop on a capped instance waits for its quota's next period: it
+    # made a loaded P <-> D switch take 10-120 ms at 0.25 CPU (docs/benchmarks.md).
+    if engine.set_role(role, wait=False) is None:
+        await asyncio.to_thread(engine.set_role, role)
     # A decode hop whose stream added it to the engine after the wait above (its inputs
     # were pulled, its stream had not started) was admitted under the old role: it moves
     # out with the rest. Any added from now on is refused (503: the router goes elsewhere).

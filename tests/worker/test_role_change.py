@@ -328,9 +328,9 @@ async def test_a_live_switch_moves_out_a_decode_added_while_the_role_changes(qwe
     late = make("late")
     set_role = e.set_role
 
-    def add_then_set_role(role: InstanceType) -> object:
+    def add_then_set_role(role: InstanceType, **kwargs: object) -> object:
         e.add_request(late)  # the stream's add, after the switch's wait and its list of leavers
-        return set_role(role)
+        return set_role(role, **kwargs)
 
     e.set_role = add_then_set_role  # type: ignore[method-assign]
     inst = InstanceRuntime(WorkerSettings(model=str(qwen2_vl_dir), instance_id="w-late", precopy_timeout_s=0))
@@ -342,3 +342,27 @@ async def test_a_live_switch_moves_out_a_decode_added_while_the_role_changes(qwe
         assert inst.moving_out is not None
         inst.moving_out.cancel()
         await asyncio.gather(inst.moving_out, return_exceptions=True)
+
+
+def test_set_role_without_waiting_gives_way_to_a_step_holding_the_engine(qwen2_vl_dir: Path) -> None:
+    """A live switch changes the role on its event loop unless a step holds the engine's
+    lock right then (`wait=False`: None at once, nothing changed); it then waits in a thread."""
+    import threading
+
+    e = _engine(qwen2_vl_dir, InstanceType.D)
+    held, done = threading.Event(), threading.Event()
+
+    def step_holding_the_lock() -> None:
+        with e._lock:
+            held.set()
+            done.wait(10)
+
+    stepper = threading.Thread(target=step_holding_the_lock)
+    stepper.start()
+    try:
+        assert held.wait(10)
+        assert e.set_role(InstanceType.P, wait=False) is None and e.role == InstanceType.D
+    finally:
+        done.set()
+        stepper.join(10)
+    assert e.set_role(InstanceType.P, wait=False) is not None and e.role == InstanceType.P

@@ -70,9 +70,7 @@ class Engine(PulledBlocks, PreCopy):
         self.model = model or load_model(
             config.model, vision=self.role.needs_vision, language=self.role.needs_language,
             dtype=config.torch_dtype, device=config.device)
-        self.spec = self.model.spec
-        self.vision = self.model.vision
-        self.language = self.model.language
+        self.spec, self.vision, self.language = self.model.spec, self.model.vision, self.model.language
         if config.compile_decode and self.language is not None:
             from triptych.worker.models.compile import compile_language_model
 
@@ -113,21 +111,22 @@ class Engine(PulledBlocks, PreCopy):
         self.output = OutputProcessor(self.scheduler, self._requests, self._known_ids, eos_ids, self.max_model_len)
         self.runner.eos_ids = self.output.eos_ids
 
-    def set_role(self, role: InstanceType, preloaded: Any = None) -> PartsChanged:
+    def set_role(self, role: InstanceType, preloaded: Any = None, *, wait: bool = True) -> PartsChanged | None:
         """Serve `role` from now on, in place (role_change.py): kept weights and caches stay,
         only what the new role adds or drops is loaded or freed. Needs an engine holding
-        no request (the instance offloads and migrates first)."""
-        with self._lock:
-            # The inbox runs now (its adds count as held below); its outputs (a live switch's
-            # hand-backs and pre-copy offers, asked for just before) go to their streams at
-            # once, ahead of what a step in flight outputs after it: none may be dropped.
+        no request (the instance offloads and migrates first). Without `wait`: None at
+        once when a step holds the engine (it does so only around its forward)."""
+        if not self._lock.acquire(blocking=wait):
+            return None
+        try:
+            # The inbox runs now (its adds count as held below); its outputs (a live switch's hand-backs
+            # and pre-copy offers, asked for just before) go out at once, ahead of a step in flight's.
             drained: list[RequestOutput] = []
             self._drain_inbox(drained)
             self.driver.deliver(drained)
             self.precopy_armed = self.precopy_armed and not role.runs(Stage.DECODE)  # decodes that stay: no pre-copy
-            # Hand-overs still parked (a migrated decode, a prefill's KV) wait for their pull
-            # under a lease: they may stay across a change that keeps the language model and
-            # its KV cache (P <-> D), in the same blocks, released on confirm or expiry.
+            # Hand-overs still parked (a migrated decode, a prefill's KV) wait for their pull under a lease:
+            # across a change that keeps the language model and its KV cache (P <-> D) they stay put.
             parked = dict(self.scheduler.parked)
             held = len(self._requests.keys() - parked.keys())
             if held or self.scheduler.has_work:
@@ -138,10 +137,9 @@ class Engine(PulledBlocks, PreCopy):
                 self.role = self.config.role = self.admission.role = role
                 return PartsChanged([], [])
             if not role.needs_language:
-                # The KV cache goes: its parked hand-overs are detached from the engine (their
-                # blocks go back to that cache, which nothing allocates from again); their
-                # pulls read the dropped cache through the old transfer agent, kept until its
-                # last lease is released (InstanceRuntime._retire), and their release is a no-op.
+                # The KV cache goes: its parked hand-overs are detached (their blocks go back to that
+                # cache, which nothing allocates from again); their pulls read it through the old transfer
+                # agent, kept until its last lease is released (InstanceRuntime._retire).
                 for request_id, req in list(parked.items()):
                     if req.handoff is not None and req.handoff.stage != Stage.ENCODE:
                         self.output.finish(req, None)
@@ -151,7 +149,9 @@ class Engine(PulledBlocks, PreCopy):
             self.migrating_out = False
             self._wire(self.scheduler.counters, self.output.eos_ids)
             self.scheduler.parked.update(parked)
-        return changed
+            return changed
+        finally:
+            self._lock.release()
 
     def offload(self, *, migrate: bool) -> None:
         """Hand back queued work that has not started; with `migrate`, park every decode
