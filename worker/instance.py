@@ -184,9 +184,8 @@ class InstanceRuntime:
         NSDI '05 §3: iterative pre-copy, then stop-and-copy of what is left): hand back
         queued work, then every running decode offers its full KV blocks (its stream sends
         a `precopy` event; the router has the decode's next instance pull them) and keeps
-        decoding here. Returns once every offer was made and those of the decodes that will
-        park were pulled — or `precopy_timeout_s` passed (a slow or failed target: the
-        hand-over then pulls what it lacks) — in seconds.
+        decoding here. Returns once every offer was pulled — or `precopy_timeout_s` passed
+        (a slow or failed target: the hand-over then pulls what it lacks) — in seconds.
         The hand-over that follows moves only the blocks filled since (the last, partial
         one), so a moved stream pauses for a small pull, not for all of its KV."""
         engine, migration = self.engine, self.migration
@@ -198,7 +197,7 @@ class InstanceRuntime:
         engine.precopy()
         await self._inbox_taken(engine)
         await wait_for(lambda: not (engine.precopies_waiting()
-                                    or migration.precopies_outstanding(live=engine.parking_decodes())),
+                                    or migration.precopies_outstanding(live=engine.running_decodes())),
                        started + timeout - time.monotonic())
         return time.monotonic() - started
 

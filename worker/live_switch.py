@@ -105,8 +105,7 @@ async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], st
     try:
         await asyncio.sleep(float(os.environ.get(MOVE_OUT_DELAY_ENV, "0") or 0))
         await wait_for(lambda: not current() or not (engine.precopies_waiting() or (
-            migration is not None and migration.precopies_outstanding(live=engine.parking_decodes()))),
-            s.precopy_timeout_s)
+            migration is not None and migration.precopies_outstanding())), s.precopy_timeout_s)
         record["precopy_s"] = round(time.monotonic() - started, 6)
         if not current():
             return

@@ -222,23 +222,6 @@ def test_only_running_decodes_get_a_precopy_and_a_finished_one_holds_nothing(qwe
     assert req.status == RequestStatus.FINISHED and e.hold_full_kv("x") is None and e.kv.num_used == 0
 
 
-def test_only_the_pre_copies_of_decodes_that_will_park_are_worth_waiting_for(qwen2_vl_dir: Path) -> None:
-    """A switch waits for the pre-copies of the decodes that will park; one that moves live
-    streams on here while its next instance pulls (its offer opened the takeover), so the
-    switch does not wait for its pull (`parking_decodes`); one not decoding yet is neither."""
-    proc = processor(qwen2_vl_dir)
-    case = next(c for c in make_cases(8) if not c.images)
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    e = _engine(qwen2_vl_dir)
-    live, parks = to_request(proc, case, "live", params, stages=PD), to_request(proc, case, "parks", params, stages=PD)
-    live.moves_live = True
-    for req in (live, parks):
-        e.add_request(req)
-    _run_until(e, parks, 2)
-    e.add_request(to_request(proc, case, "queued", params, stages=PD))
-    assert e.running_decodes() == {"live", "parks"} and e.parking_decodes() == {"parks"}
-
-
 def test_a_decode_that_starts_after_the_precopy_request_is_told_too_once(qwen2_vl_dir: Path) -> None:
     # A switch asks for the pre-copy while a decode's KV pull is still in flight; that
     # decode joins the engine after the request and must offer its pre-copy as well (else

@@ -59,14 +59,6 @@ class PreCopy:
         with self._lock:
             return self._decoding()
 
-    def parking_decodes(self) -> set[str]:
-        """The ids of the decodes decoding here that will park when they move out: only
-        their pre-copies are worth waiting for. A decode that moves live (`moves_live`)
-        keeps streaming here while its next instance pulls, so its pull is off its stream's
-        path; its offer opened that instance's takeover, which is all it needs."""
-        with self._lock:
-            return {i for i in self._decoding() if not self._requests[i].moves_live}
-
     def _decoding(self) -> set[str]:
         return {i for i, r in self._requests.items() if r.status == RequestStatus.DECODING}
 
