@@ -41,10 +41,9 @@ from triptych.router.prompt import (
     template_messages,
     truncate_prompt,
 )
-from triptych.router.protocol import (
-    ChatCompletionRequest,
+from triptych.router.protocol import ChatCompletionRequest, CompletionRequest
+from triptych.router.responses import (
     ChatCompletionResponse,
-    CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     ModelCard,

@@ -29,7 +29,7 @@ from triptych.router.errors import OpenAIError, from_backend
 from triptych.router.event_pump import EventPump, coalesce
 from triptych.router.logprobs import TokenText
 from triptych.router.metrics import FrontendMetrics, RequestTimer
-from triptych.router.protocol import ChatCompletionResponse, CompletionResponse
+from triptych.router.responses import ChatCompletionResponse, CompletionResponse
 from triptych.router.tools import ToolCallStream, parse_tool_calls
 from triptych.stage_protocol import TokenLogprob
 from triptych.stop_strings import StopMatcher
