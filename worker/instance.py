@@ -8,15 +8,17 @@ import asyncio
 import logging
 import time
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
-from triptych.worker.engine.role_change import keeps_handovers, preload_parts, same_parts
+from triptych.worker.engine.role_change import drops_caches, keeps_handovers, preload_parts, same_parts
 from triptych.worker.engine.token_feed import TokenFeed
 from triptych.worker.live_switch import await_moved_out, switch_live
 from triptych.worker.migration import MigrationService
+from triptych.worker.models.vision import warm_imports
 from triptych.worker.settings import WorkerSettings
 from triptych.worker.transfer import TransferEngine
 from triptych.worker.video_pull import VideoPuller
@@ -76,13 +78,17 @@ class InstanceRuntime:
                                      encode_token_budget=s.encode_token_budget,
                                      ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s, keep_mm_cache=True,
                                      compile_decode=s.compile_decode))
-        transfer, migration = self._wire_transfer(engine, role)
+        transfer, migration = self._wire_transfer(engine, self._new_agent(role))
+        if not role.needs_vision:  # a later switch to E loads the vision tower without the imports' wait
+            warm_imports(engine.spec, Path(s.model))
         engine.start()
         return engine, transfer, migration
 
-    def _wire_transfer(self, engine: Engine, role: InstanceType) -> tuple[TransferEngine, MigrationService]:
+    def _new_agent(self, role: InstanceType) -> TransferEngine:
+        return TransferEngine(f"{self.settings.instance_id}-{role.value}", require=self.settings.transfer_require)
+
+    def _wire_transfer(self, engine: Engine, transfer: TransferEngine) -> tuple[TransferEngine, MigrationService]:
         s = self.settings
-        transfer = TransferEngine(f"{s.instance_id}-{role.value}", require=s.transfer_require)
         if engine.kv is not None:
             transfer.register("kv", engine.kv.tensor)
         if engine.mm is not None:
@@ -126,12 +132,12 @@ class InstanceRuntime:
                     streamed = {i: self.engine.output.moved_out[i] for i in moved if i in self.engine.output.moved_out}
                     released = {i: self.engine.output.released[i] for i in moved if i in self.engine.output.released}
                     pending = self.engine.parked_ids()
-                    preloaded, preload_s = await preload
-                finally:
-                    if not preload.done():
-                        preload.cancel()
+                    preloaded, agent, preload_s = await asyncio.shield(preload)
+                except BaseException:  # a failed switch: what the preload built goes, once it ends
+                    preload.add_done_callback(_close_agent)
+                    raise
                 loaded = time.monotonic()
-                await self._onload(InstanceType(role), preloaded)
+                await self._onload(InstanceType(role), preloaded, agent)
                 after = self.engine.scheduler.counters.as_dict()
                 self.role = role
                 self._follow_handover(pending, moved, streamed, started, migrated)
@@ -255,23 +261,39 @@ class InstanceRuntime:
 
         self._handover_task = asyncio.create_task(follow())
 
-    async def _preload(self, role: InstanceType) -> tuple[Any, float]:
-        """The weights `role` adds, loaded off the event loop (role_change.preload_parts),
-        and the seconds that took."""
-        assert self.engine is not None
+    async def _preload(self, role: InstanceType) -> tuple[Any, TransferEngine | None, float]:
+        """Off the event loop: the weights `role` adds (role_change.preload_parts) and, when
+        the change drops a cache, the new transfer agent; and the seconds that took."""
+        engine = self.engine
+        assert engine is not None
         started = time.monotonic()
-        parts = await asyncio.to_thread(preload_parts, self.engine, role)
-        return parts, time.monotonic() - started
 
-    async def _onload(self, role: InstanceType, preloaded: Any = None) -> None:
+        def load() -> tuple[Any, TransferEngine | None]:
+            agent = self._new_agent(role) if drops_caches(engine, role) else None
+            try:
+                return preload_parts(engine, role), agent
+            except BaseException:
+                _close(agent)
+                raise
+
+        parts, agent = await asyncio.to_thread(load)
+        return parts, agent, time.monotonic() - started
+
+    async def _onload(self, role: InstanceType, preloaded: Any = None, agent: TransferEngine | None = None) -> None:
         """Change the engine's role in place; re-register the caches it gained or lost."""
         assert self.engine is not None and self.transfer is not None and self.migration is not None
-        changed = await asyncio.to_thread(self.engine.set_role, role, preloaded)
+        try:
+            changed = await asyncio.to_thread(self.engine.set_role, role, preloaded)
+        except BaseException:
+            _close(agent)
+            raise
         if changed.caches_dropped:  # a registered region's memory goes: a fresh transfer agent
             self._retire(self.transfer, self.migration)
-            self.transfer, self.migration = await asyncio.to_thread(self._wire_transfer, self.engine, role)
+            self.transfer, self.migration = await asyncio.to_thread(
+                self._wire_transfer, self.engine, agent or self._new_agent(role))
             self.migration.start()
             return
+        _close(agent)
         for region, cache in (("kv", self.engine.kv), ("mm", self.engine.mm)):
             if f"{region}_cache" in changed.loaded and cache is not None:
                 self.transfer.register(region, cache.tensor)
@@ -384,6 +406,17 @@ class InstanceRuntime:
         if self.engine is not None:
             base.update(self.engine.stats())
         return base
+
+
+def _close(agent: TransferEngine | None) -> None:
+    if agent is not None:
+        agent.close()
+
+
+def _close_agent(task: asyncio.Task[tuple[Any, TransferEngine | None, float]]) -> None:
+    """A failed switch's preload: the agent it built, if any, goes."""
+    if not task.cancelled() and task.exception() is None:
+        _close(task.result()[1])
 
 
 def _report(offload_s: float, migrate_s: float, onload_s: float, migrated: int, handed_back: int,

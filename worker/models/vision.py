@@ -61,15 +61,7 @@ class QwenVisionModel(VisionModel):
 
     def __init__(self, spec: ModelSpec, hf_config: Any, processor: Any) -> None:
         super().__init__(spec, processor)
-        if spec.family == "qwen2-vl":
-            from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-                Qwen2VisionTransformerPretrainedModel as Tower,
-            )
-        else:
-            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-                Qwen2_5_VisionTransformerPretrainedModel as Tower,
-            )
-        self.visual = _build(Tower, hf_config.vision_config)
+        self.visual = _build(_qwen_tower(spec.family), hf_config.vision_config)
         self.merge = spec.spatial_merge_size
 
     def preprocess(self, image: Any) -> VisionInput:
@@ -182,6 +174,32 @@ def build_vision_model(spec: ModelSpec, hf_config: Any, model_dir: Path) -> Visi
     if spec.family == "llava":
         return LlavaVisionModel(spec, hf_config, processor)
     return QwenVisionModel(spec, hf_config, processor)
+
+
+def _qwen_tower(family: str) -> Any:
+    if family == "qwen2-vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    return Qwen2_5_VisionTransformerPretrainedModel
+
+
+def warm_imports(spec: ModelSpec, model_dir: Path) -> None:
+    """What building a vision tower first imports (transformers' image-processing and
+    vision modules: 0.5 s of CPU here, four times that at a quarter of a core), done once
+    in an instance built without one, so that its first switch to E loads only weights.
+    A checkpoint whose image processor does not load has nothing to warm: a switch to E
+    says why."""
+    try:
+        load_image_processor(model_dir)
+    except UnsupportedCheckpointError:
+        return
+    if spec.family == "llava":
+        from transformers.models.llava import modeling_llava  # noqa: F401  (CLIP's and the projector's)
+    else:
+        _qwen_tower(spec.family)
 
 
 def load_image_processor(model_dir: Path) -> Any:
