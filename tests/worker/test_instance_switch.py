@@ -85,13 +85,16 @@ async def test_a_switch_that_fails_closes_the_agent_it_built(qwen2_vl_dir: Path,
         engine = inst.engine
         assert engine is not None
 
-        async def fail(*_args: object, **_kwargs: object) -> None:
+        def fail(*_args: object, **_kwargs: object) -> None:
             raise RuntimeError(f"{failing} failed")
 
+        async def fail_async(*_args: object, **_kwargs: object) -> None:
+            fail()
+
         if failing == "set_role":  # in the onload, once the preload ended
-            monkeypatch.setattr(engine, "set_role", lambda *_a, **_k: asyncio.run(fail()))
+            monkeypatch.setattr(engine, "set_role", fail)
         else:  # while the preload may still run: its agent goes when it ends
-            monkeypatch.setattr(inst, "_migrate", fail)
+            monkeypatch.setattr(inst, "_migrate", fail_async)
         monkeypatch.setattr(TransferEngine, "close", lambda self: closed.append(self))
         with pytest.raises(RuntimeError, match=f"{failing} failed"):
             await inst.switch("E")
