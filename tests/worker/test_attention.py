@@ -13,11 +13,29 @@ from triptych.worker.attention import (
     AttentionMetadataError,
     TorchAttention,
     build_metadata,
+    cpu_decode,
     select_backend,
 )
 from triptych.worker.attention.torch_backend import MAX_DECODE_GROUPS, decode_groups
 
 HEADS, KV_HEADS, DIM, LAYERS = 4, 2, 16, 2
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Decodes through the torch path (batched GEMMs, kept context) or the CPU kernel
+    (cpu_decode.c, reading the paged cache in place)."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_decode, "kernel", lambda: None)
+    elif cpu_decode.kernel() is None:
+        pytest.skip("the CPU decode kernel does not build here (no C compiler)")
+    return request.param
+
+
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path only: these tests look inside its kept context."""
+    monkeypatch.setattr(cpu_decode, "kernel", lambda: None)
 
 
 def test_build_metadata_slots_and_padding() -> None:
@@ -109,7 +127,7 @@ class _PagedRun:
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 5])
-def test_torch_attention_mixed_prefill_chunks_and_decodes(block_size: int) -> None:
+def test_torch_attention_mixed_prefill_chunks_and_decodes(block_size: int, decode_path: str) -> None:
     run = _PagedRun(block_size)
     backend = TorchAttention()
     assert run.step([(0, 7), (1, 20)], backend).abs().max() < 1e-5  # two fresh prefills
@@ -118,7 +136,7 @@ def test_torch_attention_mixed_prefill_chunks_and_decodes(block_size: int) -> No
     assert run.step([(1, 1), (2, 18), (0, 1)], backend).abs().max() < 1e-5  # chunk amid decodes
 
 
-def test_torch_attention_batched_decode_of_unequal_lengths() -> None:
+def test_torch_attention_batched_decode_of_unequal_lengths(decode_path: str) -> None:
     run = _PagedRun(block_size=4, seed=3)
     backend = TorchAttention()
     lengths = [1, 5, 17, 33, 2]
@@ -143,7 +161,7 @@ def test_decode_groups_split_long_tailed_lengths_only() -> None:
     assert len(decode_groups([16 * k for k in range(1, 200)], 16)) == MAX_DECODE_GROUPS
 
 
-def test_grouped_decodes_of_long_tailed_lengths_match_dense() -> None:
+def test_grouped_decodes_of_long_tailed_lengths_match_dense(decode_path: str) -> None:
     run = _PagedRun(block_size=4, num_blocks=512, seed=5)
     backend = TorchAttention()
     lengths = [3, 700, 6, 2, 350, 5, 4]
@@ -158,7 +176,7 @@ def test_grouped_decodes_of_long_tailed_lengths_match_dense() -> None:
     assert diff.abs().max() < 1e-5
 
 
-def test_steady_decodes_reuse_kept_context_and_match_dense() -> None:
+def test_steady_decodes_reuse_kept_context_and_match_dense(torch_path: None) -> None:
     run = _PagedRun(block_size=4, seed=7)
     backend = TorchAttention()
     for seq, n in enumerate([6, 3, 11]):
@@ -170,7 +188,7 @@ def test_steady_decodes_reuse_kept_context_and_match_dense() -> None:
         assert backend._kept.continuing == (step > 1)
 
 
-def test_rows_leaving_and_joining_keep_their_slots_and_match_dense() -> None:
+def test_rows_leaving_and_joining_keep_their_slots_and_match_dense(torch_path: None) -> None:
     run = _PagedRun(block_size=4, seed=9)
     backend = TorchAttention()
     for seq, n in enumerate([6, 3, 11, 5]):
@@ -216,7 +234,7 @@ def test_rows_leaving_and_joining_keep_their_slots_and_match_dense() -> None:
     assert kept.continuing
 
 
-def test_a_row_outgrowing_the_kept_width_is_copied_into_a_wider_layout() -> None:
+def test_a_row_outgrowing_the_kept_width_is_copied_into_a_wider_layout(torch_path: None) -> None:
     run = _PagedRun(block_size=4, seed=10)
     backend = TorchAttention()
     for seq, n in enumerate([6, 3, 11]):
@@ -231,7 +249,7 @@ def test_a_row_outgrowing_the_kept_width_is_copied_into_a_wider_layout() -> None
     assert grown and all(old < new for old, new in grown)
 
 
-def test_kept_context_is_not_read_after_another_step_reused_its_blocks() -> None:
+def test_kept_context_is_not_read_after_another_step_reused_its_blocks(torch_path: None) -> None:
     run = _PagedRun(block_size=4, seed=8)
     backend = TorchAttention()
     run.step([(0, 5)], backend)
@@ -251,7 +269,7 @@ def test_kept_context_is_not_read_after_another_step_reused_its_blocks() -> None
     assert diff.abs().max() < 1e-5
 
 
-def test_kv_written_at_slot_mapping_only_in_its_layer() -> None:
+def test_kv_written_at_slot_mapping_only_in_its_layer(decode_path: str) -> None:
     backend = TorchAttention()
     cache = torch.zeros(6, LAYERS, 2, 2, KV_HEADS, DIM)
     meta = build_metadata([3], [3], [[4, 1]], block_size=2)
@@ -313,7 +331,7 @@ def test_select_backend_keeps_torch_where_flashinfer_cannot_run() -> None:
     assert isinstance(select_backend("cuda", head_dim=128, dtype=torch.float32), TorchAttention)
 
 
-def test_one_backend_serves_caches_of_different_block_sizes() -> None:
+def test_one_backend_serves_caches_of_different_block_sizes(decode_path: str) -> None:
     # The backend reuses its gather buffers across steps; they must follow the cache shape.
     backend = TorchAttention()
     for block_size in (16, 1, 16, 4):

@@ -7,6 +7,9 @@ path of serving. Decode attention reads every key of every row, padding included
 one 500-token answer among 40-token ones) are split into a few groups of similar
 length (`decode_groups`) rather than all padded to the longest. Prefill chunks run one
 SDPA per sequence over that sequence's gathered context.
+
+On CPU with an fp32 cache, decodes go to the C kernel of cpu_decode.py instead (each
+row's real keys read in place: no gather, no padding, no groups), where it builds.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionGeometry, AttentionMetadata, slot_indices, write_kv
+from .cpu_decode import PagedDecode, kernel_serves
 from .kept_context import KeptContext
 
 # What one more decode group costs (a gather, an SDPA call, a scatter of its rows per
@@ -105,12 +109,26 @@ class TorchAttention:
         self._geometry: AttentionGeometry | None = None
         self._buffers: torch.Tensor | None = None  # [2, blocks, block_size, kv_heads, head_dim]
         self._kept = KeptContext()  # a steady decode batch's context, across steps
+        self._paged: PagedDecode | None = None  # this step's decodes, by the CPU kernel
 
     def plan(self, meta: AttentionMetadata, geometry: AttentionGeometry) -> None:
         device = meta.slot_mapping.device
         self._geometry = geometry
         self._slots = slot_indices(meta)
         decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
+        self._prefills = [
+            self._plan_prefill(meta, i, device) for i, n in enumerate(meta.query_lens) if n != 1
+        ]
+        self._paged = None
+        if decode_rows and kernel_serves(device, geometry.dtype, geometry.head_dim):
+            # The kernel reads each decode's keys where they sit: no groups, no padding, no
+            # kept copy (cpu_decode.py).
+            self._decodes = []
+            self._kept.reset()
+            starts = meta.cu_query_lens.tolist()
+            self._paged = PagedDecode([starts[i] for i in decode_rows], meta.block_tables[decode_rows],
+                                                 [meta.kv_lens_list[i] for i in decode_rows])
+            return
         groups = decode_groups([meta.kv_lens_list[i] for i in decode_rows], meta.block_size)
         self._decodes = [self._plan_decode(meta, [decode_rows[j] for j in g], device) for g in groups]
         # CPU only: there the gather is a large share of a decode step; on a GPU it is cheap,
@@ -125,9 +143,6 @@ class TorchAttention:
                 plan.mask = _length_mask(self._kept.slot_lens, plan.mask.shape[-1], device)
         else:
             self._kept.reset()
-        self._prefills = [
-            self._plan_prefill(meta, i, device) for i, n in enumerate(meta.query_lens) if n != 1
-        ]
 
     @staticmethod
     def _plan_decode(meta: AttentionMetadata, rows: list[int], device: torch.device) -> _DecodePlan:
@@ -171,6 +186,12 @@ class TorchAttention:
         if self._slots is None or self._geometry is None:
             raise RuntimeError("TorchAttention.plan() must be called before forward()")
         write_kv(kv_cache, layer, k, v, self._slots)
+        if self._paged is not None:
+            out = torch.empty_like(q)
+            self._paged(q.contiguous(), kv_cache, layer, out, self._geometry.num_kv_heads)
+            for seq in self._prefills:
+                out[seq.start : seq.end] = self._prefill_one(q[seq.start : seq.end], kv_cache, layer, seq)
+            return out
         if len(self._decodes) == 1 and self._decodes[0].token_index is None:
             return self._decode_batch(q, k, v, kv_cache, layer, self._decodes[0])
         out = torch.empty_like(q)

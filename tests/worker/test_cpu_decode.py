@@ -1,0 +1,134 @@
+"""The CPU paged decode kernel (worker/attention/cpu_decode.c): outputs against dense
+attention over each sequence's K/V, the torch backend's use of it, and how it is built."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from triptych.worker.attention import AttentionGeometry, TorchAttention, build_metadata, cpu_decode
+
+needs_kernel = pytest.mark.skipif(cpu_decode.kernel() is None,
+                                  reason="the CPU decode kernel does not build here (no C compiler)")
+
+
+def _paged_case(kv_heads: int, group: int, dim: int, block_size: int, lens: list[int], seed: int = 0):
+    """A shuffled paged cache with random K/V in layer 1 of 2, and the dense K/V per sequence."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    need = sum(-(-n // block_size) for n in lens)
+    free = rng.sample(range(need + 3), need + 3)
+    cache = torch.randn(need + 3, 2, 2, block_size, kv_heads, dim, generator=gen)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lens]
+    dense = []
+    for table, n in zip(tables, lens, strict=True):
+        k = cache[table, 1, 0].reshape(-1, kv_heads, dim)[:n]
+        v = cache[table, 1, 1].reshape(-1, kv_heads, dim)[:n]
+        dense.append((k, v))
+    return cache, tables, dense
+
+
+def _dense_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    weights = (torch.einsum("hd,khd->hk", q, k) / q.shape[-1] ** 0.5).softmax(-1)
+    return torch.einsum("hk,khd->hd", weights, v)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("kv_heads", "group", "dim", "block_size"),
+                         [(2, 2, 64, 16), (1, 7, 128, 16), (4, 1, 80, 1), (3, 4, 32, 5)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kernel_matches_dense_attention(kv_heads: int, group: int, dim: int, block_size: int,
+                                        threads: int) -> None:
+    lens = [1, 37, 16, 300, 2, 17, 64]  # one position, block edges, a long row among short ones
+    cache, tables, dense = _paged_case(kv_heads, group, dim, block_size, lens)
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    # Decode rows among other tokens (a prefill chunk's rows), not in order.
+    rows = [9, 0, 4, 12, 2, 7, 11]
+    q = torch.randn(14, kv_heads * group, dim, generator=torch.Generator().manual_seed(1))
+    out = torch.full_like(q, float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_decode.PagedDecode(rows, padded, lens)(q, cache, 1, out, kv_heads)
+    finally:
+        torch.set_num_threads(before)
+    for row, (k, v) in zip(rows, dense, strict=True):
+        assert (out[row] - _dense_decode(q[row], k, v, group)).abs().max() < 1e-5
+    others = [r for r in range(14) if r not in rows]
+    assert out[others].isnan().all()  # rows that are not decodes are left alone
+
+
+@needs_kernel
+def test_kernel_refuses_a_head_size_it_cannot_hold() -> None:
+    cache, tables, _ = _paged_case(1, 1, 300, 4, [3])
+    with pytest.raises(ValueError, match="refused"):
+        cpu_decode.PagedDecode([0], torch.tensor(tables), [3])(torch.randn(1, 1, 300), cache, 1,
+                                                               torch.empty(1, 1, 300), 1)
+    with pytest.raises(ValueError, match="fp32 cache"):
+        cpu_decode.PagedDecode([0], torch.tensor(tables), [3])(torch.randn(1, 1, 300), cache.bfloat16(), 1,
+                                                               torch.empty(1, 1, 300), 1)
+
+
+@needs_kernel
+def test_the_torch_backend_runs_fp32_cpu_decodes_through_the_kernel() -> None:
+    backend = TorchAttention()
+    meta = build_metadata([1, 5, 1], [9, 5, 3], [[3], [1], [2]], block_size=16)
+    backend.plan(meta, AttentionGeometry(4, 2, 16, torch.float32))
+    assert backend._paged is not None and backend._paged.rows.tolist() == [0, 6]  # the decodes' rows in q
+    assert backend._kept.layout is None and backend._decodes == []
+    backend.plan(meta, AttentionGeometry(4, 2, 16, torch.bfloat16))  # bf16: the torch path
+    assert backend._paged is None and len(backend._decodes) == 1
+    backend.plan(meta, AttentionGeometry(4, 2, 512, torch.float32))  # beyond the kernel's head size
+    assert backend._paged is None
+
+
+def test_a_compiler_that_fails_is_a_build_error_naming_the_command(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(cpu_decode.KernelBuildError, match="false .*cpu_decode.c"):
+        cpu_decode.build(tmp_path / "kernels")
+    assert not list((tmp_path / "kernels").iterdir())  # no half-written library left
+
+
+def test_without_a_kernel_the_backend_says_so_once_and_keeps_the_torch_path(monkeypatch, caplog) -> None:
+    def fail() -> None:
+        raise cpu_decode.KernelBuildError("no C compiler (cc, gcc or $CC) on PATH")
+
+    monkeypatch.setattr(cpu_decode, "_load", fail)
+    with caplog.at_level(logging.WARNING):
+        assert cpu_decode.kernel.__wrapped__() is None
+    assert "no C compiler" in caplog.text and "torch path" in caplog.text
+    monkeypatch.setenv(cpu_decode.ENV, "torch")
+    monkeypatch.setattr(cpu_decode, "_load", lambda: pytest.fail("switched off: nothing is built"))
+    assert cpu_decode.kernel.__wrapped__() is None
+
+
+@needs_kernel
+def test_a_build_is_reused_and_named_for_its_source_flags_and_cpu(tmp_path, monkeypatch) -> None:
+    first = cpu_decode.build(tmp_path)
+    assert cpu_decode.build(tmp_path) == first  # built once
+    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: {"sse2"})  # another machine
+    assert cpu_decode._name("native") != first.name
+    assert cpu_decode._name("x86-64-v3") == cpu_decode._name("x86-64-v3")  # a portable build: any CPU
+    monkeypatch.setenv("TRIPTYCH_KERNEL_MARCH", "x86-64-v4")
+    with pytest.raises(cpu_decode.KernelBuildError, match="needs .*avx512"):
+        cpu_decode._load()
+    # An image's kernels for two levels: the first this CPU runs is taken.
+    monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: {"avx2", "fma", "bmi2"})
+    monkeypatch.setenv("TRIPTYCH_KERNEL_MARCH", "x86-64-v4,x86-64-v3")
+    assert cpu_decode._march() == "x86-64-v3"
+
+
+@needs_kernel
+def test_kernels_built_ahead_are_loaded_from_the_kernel_dir(tmp_path, monkeypatch, capsys) -> None:
+    cpu_decode.main(["--out", str(tmp_path), "--march", "native"])
+    built = capsys.readouterr().out.strip()
+    assert built.startswith(str(tmp_path)) and built.endswith(".so")
+    monkeypatch.setenv("TRIPTYCH_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("TRIPTYCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "false")  # nothing is compiled: the prebuilt one loads
+    assert cpu_decode._load().paged_decode_f32 is not None
+    assert not (tmp_path / "cache").exists()
