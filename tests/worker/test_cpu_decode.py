@@ -63,24 +63,43 @@ def test_kernel_matches_dense_attention(kv_heads: int, group: int, dim: int, blo
 
 
 @needs_kernel
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_a_bf16_cache(model_dtype: torch.dtype) -> None:
+    lens = [5, 40, 17]
+    cache, tables, dense = _paged_case(2, 3, 64, 16, lens, seed=4)
+    cache = cache.bfloat16()  # what the kernel reads; the reference uses the same rounded values
+    q = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(2)).to(model_dtype)
+    out = torch.zeros_like(q)
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    cpu_decode.PagedDecode([2, 0, 1], padded, lens)(q, cache, 1, out, 2)
+    tolerance = 1e-5 if model_dtype == torch.float32 else 2e-2  # a bf16 output's rounding
+    for row, (k, v) in zip([2, 0, 1], dense, strict=True):
+        want = _dense_decode(q[row].float(), k.bfloat16().float(), v.bfloat16().float(), 3)
+        assert out.dtype == model_dtype and (out[row].float() - want).abs().max() < tolerance
+
+
+@needs_kernel
 def test_kernel_refuses_a_head_size_it_cannot_hold() -> None:
     cache, tables, _ = _paged_case(1, 1, 300, 4, [3])
     with pytest.raises(ValueError, match="refused"):
         cpu_decode.PagedDecode([0], torch.tensor(tables), [3])(torch.randn(1, 1, 300), cache, 1,
                                                                torch.empty(1, 1, 300), 1)
-    with pytest.raises(ValueError, match="fp32 cache"):
-        cpu_decode.PagedDecode([0], torch.tensor(tables), [3])(torch.randn(1, 1, 300), cache.bfloat16(), 1,
+    with pytest.raises(ValueError, match="fp32 or bf16 cache"):
+        cpu_decode.PagedDecode([0], torch.tensor(tables), [3])(torch.randn(1, 1, 300), cache.half(), 1,
                                                                torch.empty(1, 1, 300), 1)
 
 
 @needs_kernel
-def test_the_torch_backend_runs_fp32_cpu_decodes_through_the_kernel() -> None:
+def test_the_torch_backend_runs_fp32_and_bf16_cpu_decodes_through_the_kernel() -> None:
     backend = TorchAttention()
     meta = build_metadata([1, 5, 1], [9, 5, 3], [[3], [1], [2]], block_size=16)
     backend.plan(meta, AttentionGeometry(4, 2, 16, torch.float32))
     assert backend._paged is not None and backend._paged.rows.tolist() == [0, 6]  # the decodes' rows in q
     assert backend._kept.layout is None and backend._decodes == []
-    backend.plan(meta, AttentionGeometry(4, 2, 16, torch.bfloat16))  # bf16: the torch path
+    backend.plan(meta, AttentionGeometry(4, 2, 16, torch.bfloat16))
+    assert backend._paged is not None
+    backend.plan(meta, AttentionGeometry(4, 2, 16, torch.float16))  # fp16: the torch path
     assert backend._paged is None and len(backend._decodes) == 1
     backend.plan(meta, AttentionGeometry(4, 2, 512, torch.float32))  # beyond the kernel's head size
     assert backend._paged is None
@@ -130,5 +149,5 @@ def test_kernels_built_ahead_are_loaded_from_the_kernel_dir(tmp_path, monkeypatc
     monkeypatch.setenv("TRIPTYCH_KERNEL_DIR", str(tmp_path))
     monkeypatch.setenv("TRIPTYCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "false")  # nothing is compiled: the prebuilt one loads
-    assert cpu_decode._load().paged_decode_f32 is not None
+    assert cpu_decode._load().paged_decode is not None
     assert not (tmp_path / "cache").exists()

@@ -13,6 +13,7 @@ from .base import (
     AttentionMetadataError,
     build_metadata,
 )
+from .cpu_decode import kernel
 from .torch_backend import TorchAttention
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def select_backend(
     device: torch.device | str, head_dim: int | None = None, dtype: torch.dtype | None = None
 ) -> AttentionBackend:
     """FlashInfer on CUDA when it imports and supports `head_dim` and `dtype` (fp16/bf16),
-    else the torch backend."""
+    else the torch backend (on CPU with its decode kernel, for fp32 and bf16)."""
     device = torch.device(device)
     supported = (head_dim is None or head_dim in _FLASHINFER_HEAD_DIMS) and (
         dtype is None or dtype in _FLASHINFER_DTYPES
@@ -40,6 +41,8 @@ def select_backend(
             return FlashInferAttention(device)
         except (ImportError, RuntimeError) as exc:
             log.warning("FlashInfer unavailable (%s); using the torch attention backend", exc)
+    if device.type == "cpu" and dtype in (None, torch.float32, torch.bfloat16):
+        kernel()  # built (or found) now, not at the first decode step (cpu_decode.py)
     return TorchAttention()
 
 

@@ -1,4 +1,4 @@
-/* Paged decode attention on CPU, fp32: each decoding sequence's one query row attends to its
+/* Paged decode attention on CPU, over an fp32 or bf16 cache (fp32 arithmetic either way): each decoding sequence's one query row attends to its
  * keys and values where they sit in the paged KV cache (base.py's layout: [blocks, layers, 2,
  * block_size, kv_heads, head_dim]), reading each real key and value once - no gather into a
  * padded batch, no padding. Built and loaded by cpu_decode.py; plain C over raw pointers,
@@ -19,38 +19,50 @@
 
 #define MAX_HEAD_DIM 256
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+/* One cache element as fp32: a bf16 is the upper half of the fp32 with the same value.
+ * `bf16` is a constant at every call site (decode_one is inlined per cache type), so the
+ * branch folds away and the loops over elements vectorise. */
+static inline float load(const void *base, int64_t i, const int bf16) {
+    if (!bf16) return ((const float *)base)[i];
+    union { uint32_t u; float f; } x = {.u = (uint32_t)((const uint16_t *)base)[i] << 16};
+    return x.f;
+}
+
+static inline float dot(const float *restrict q, const void *k, int64_t n, const int bf16) {
     float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
+    for (int64_t i = 0; i < n; i++) acc += q[i] * load(k, i, bf16);
     return acc;
 }
 
 /* Prefetch one position's K (or V) row, all heads, in the sequence's next block: the blocks
  * of a sequence lie anywhere in the cache, and the hardware prefetcher loses the stream at
  * every block's end. */
-static inline void prefetch_row(const float *row, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i);
+static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i);
 }
 
 /* One sequence: every query head against its cached keys and values, position by position
  * (each position's K or V row holds all heads, contiguous). Inlined with a constant
- * head_dim for the common sizes, so the inner loops unroll into whole vectors. */
+ * head_dim for the common sizes and a constant cache type, so the inner loops unroll into
+ * whole vectors. Offsets into the cache are in elements. */
 static inline __attribute__((always_inline)) void decode_one(
-    const float *qb, const float *cache, const int32_t *table, int64_t len, int64_t block_stride,
-    int64_t v_offset, int64_t kv_heads, int64_t group, const int64_t head_dim, int64_t block_size,
-    int64_t max_len, float scale, float *scores, float *ob) {
-    const int64_t heads = kv_heads * group;
+    const float *qb, const void *cache, const int bf16, const int32_t *table, int64_t len,
+    int64_t block_stride, int64_t v_offset, int64_t kv_heads, int64_t group, const int64_t head_dim,
+    int64_t block_size, int64_t max_len, float scale, float *scores, float *ob) {
+    const int64_t heads = kv_heads * group, esize = bf16 ? 2 : 4;
     const int64_t pos_stride = kv_heads * head_dim;
+    const char *bytes = (const char *)cache;
     float top[heads], total[heads], acc[heads * head_dim];
     for (int64_t h = 0; h < heads; h++) top[h] = -FLT_MAX;
     /* Pass 1: q.k for every position and head. */
     for (int64_t pos = 0; pos < len; pos++) {
         const int64_t block = pos / block_size, offset = (pos % block_size) * pos_stride;
-        const float *k = cache + table[block] * block_stride + offset;
-        if (pos + block_size < len) prefetch_row(cache + table[block + 1] * block_stride + offset, pos_stride);
+        const char *k = bytes + (table[block] * block_stride + offset) * esize;
+        if (pos + block_size < len)
+            prefetch_row(bytes + (table[block + 1] * block_stride + offset) * esize, pos_stride * esize);
         for (int64_t h = 0; h < heads; h++) {
-            float s = dot(qb + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
+            float s = dot(qb + h * head_dim, k + (h / group) * head_dim * esize, head_dim, bf16) * scale;
             scores[h * max_len + pos] = s;
             top[h] = s > top[h] ? s : top[h];
         }
@@ -70,14 +82,15 @@ static inline __attribute__((always_inline)) void decode_one(
     memset(acc, 0, sizeof(acc));
     for (int64_t pos = 0; pos < len; pos++) {
         const int64_t block = pos / block_size, offset = v_offset + (pos % block_size) * pos_stride;
-        const float *v = cache + table[block] * block_stride + offset;
-        if (pos + block_size < len) prefetch_row(cache + table[block + 1] * block_stride + offset, pos_stride);
+        const char *v = bytes + (table[block] * block_stride + offset) * esize;
+        if (pos + block_size < len)
+            prefetch_row(bytes + (table[block + 1] * block_stride + offset) * esize, pos_stride * esize);
         for (int64_t h = 0; h < heads; h++) {
             const float p = scores[h * max_len + pos];
-            const float *vh = v + (h / group) * head_dim;
+            const char *vh = v + (h / group) * head_dim * esize;
             float *a = acc + h * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) a[d] += p * vh[d];
+            for (int64_t d = 0; d < head_dim; d++) a[d] += p * load(vh, d, bf16);
         }
     }
     for (int64_t h = 0; h < heads; h++) {
@@ -86,19 +99,18 @@ static inline __attribute__((always_inline)) void decode_one(
     }
 }
 
-/* q: each sequence's query row at q + rows[b] * q_stride, heads [kv_heads * group, head_dim]
- *    (query head h uses kv head h / group, as in transformers);
- * cache: layer `layer`'s K of block n at cache + n * block_stride (V at + v_offset), each
- *    [block_size, kv_heads, head_dim] contiguous;
+/* q: each sequence's query row (fp32) at q + rows[b] * q_stride, heads [kv_heads * group,
+ *    head_dim] (query head h uses kv head h / group, as in transformers);
+ * cache: fp32, or bf16 where `bf16` is 1; layer `layer`'s K of block n at cache + n *
+ *    block_stride elements (V at + v_offset), each [block_size, kv_heads, head_dim] contiguous;
  * tables: sequence b's block ids at tables + b * table_stride; lens[b]: its cached tokens;
- * out: the attention output of sequence b at out + rows[b] * out_stride, like its query;
+ * out: the attention output (fp32) of sequence b at out + rows[b] * out_stride, like its query;
  * scratch: threads * kv_heads * group * max_len floats. Returns 0, or -1 on a bad shape. */
-int paged_decode_f32(const float *q, int64_t q_stride, const int64_t *rows, const float *cache,
-                     int64_t block_stride, int64_t v_offset, const int32_t *tables,
-                     int64_t table_stride, const int32_t *lens, float *out, int64_t out_stride,
-                     int64_t batch, int64_t kv_heads, int64_t group, int64_t head_dim,
-                     int64_t block_size, int64_t max_len, float scale, int threads,
-                     float *scratch) {
+int paged_decode(const float *q, int64_t q_stride, const int64_t *rows, const void *cache, int bf16,
+                 int64_t block_stride, int64_t v_offset, const int32_t *tables, int64_t table_stride,
+                 const int32_t *lens, float *out, int64_t out_stride, int64_t batch, int64_t kv_heads,
+                 int64_t group, int64_t head_dim, int64_t block_size, int64_t max_len, float scale,
+                 int threads, float *scratch) {
     if (head_dim > MAX_HEAD_DIM || group < 1 || kv_heads < 1 || block_size < 1) return -1;
     for (int64_t b = 0; b < batch; b++)
         if (lens[b] < 1 || lens[b] > max_len) return -1;
@@ -112,15 +124,20 @@ int paged_decode_f32(const float *q, int64_t q_stride, const int64_t *rows, cons
         const float *qb = q + rows[b] * q_stride;
         float *ob = out + rows[b] * out_stride;
         const int32_t *table = tables + b * table_stride;
-        if (head_dim == 64)
-            decode_one(qb, cache, table, lens[b], block_stride, v_offset, kv_heads, group, 64,
-                       block_size, max_len, scale, scores, ob);
+        const int64_t len = lens[b], g = group, bs = block_size;
+        /* Specialised copies: the common head sizes, each cache type. */
+        if (head_dim == 64 && !bf16)
+            decode_one(qb, cache, 0, table, len, block_stride, v_offset, kv_heads, g, 64, bs, max_len, scale, scores, ob);
+        else if (head_dim == 64)
+            decode_one(qb, cache, 1, table, len, block_stride, v_offset, kv_heads, g, 64, bs, max_len, scale, scores, ob);
+        else if (head_dim == 128 && !bf16)
+            decode_one(qb, cache, 0, table, len, block_stride, v_offset, kv_heads, g, 128, bs, max_len, scale, scores, ob);
         else if (head_dim == 128)
-            decode_one(qb, cache, table, lens[b], block_stride, v_offset, kv_heads, group, 128,
-                       block_size, max_len, scale, scores, ob);
+            decode_one(qb, cache, 1, table, len, block_stride, v_offset, kv_heads, g, 128, bs, max_len, scale, scores, ob);
+        else if (!bf16)
+            decode_one(qb, cache, 0, table, len, block_stride, v_offset, kv_heads, g, head_dim, bs, max_len, scale, scores, ob);
         else
-            decode_one(qb, cache, table, lens[b], block_stride, v_offset, kv_heads, group, head_dim,
-                       block_size, max_len, scale, scores, ob);
+            decode_one(qb, cache, 1, table, len, block_stride, v_offset, kv_heads, g, head_dim, bs, max_len, scale, scores, ob);
     }
     return 0;
 }

@@ -1,4 +1,4 @@
-"""Paged decode attention on CPU: a small C kernel (cpu_decode.c), built here and called
+"""Paged decode attention on CPU (fp32 or bf16 cache): a small C kernel (cpu_decode.c), built here and called
 through ctypes.
 
 The torch path batches decodes into padded `[B, L]` tensors (kept_context.py keeps them
@@ -130,9 +130,9 @@ def _load() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:
         raise KernelBuildError(f"loading {path} failed: {exc}") from exc
-    fn = lib.paged_decode_f32
+    fn = lib.paged_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [_P, _I64, _P, _P, _I64, _I64, _P, _I64, _P, _P, _I64,
+    fn.argtypes = [_P, _I64, _P, _P, ctypes.c_int, _I64, _I64, _P, _I64, _P, _P, _I64,
                    _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int, _P]
     return lib
 
@@ -149,9 +149,12 @@ def kernel() -> ctypes.CDLL | None:
         return None
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def kernel_serves(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """The kernel serves this cache: fp32 on CPU, a head size it handles, and it builds."""
-    return device.type == "cpu" and dtype == torch.float32 and head_dim <= MAX_HEAD_DIM and kernel() is not None
+    """The kernel serves this cache: fp32 or bf16 on CPU, a head size it handles, and it builds."""
+    return device.type == "cpu" and dtype in CACHE_DTYPES and head_dim <= MAX_HEAD_DIM and kernel() is not None
 
 
 class PagedDecode:
@@ -166,24 +169,34 @@ class PagedDecode:
 
     def __call__(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: int, out: torch.Tensor,
                  num_kv_heads: int) -> None:
-        """Attend each decode row of `q` `[T, heads, head_dim]` (fp32, contiguous) to its
-        context in `layer` of `kv_cache` (base.py's layout); write its row of `out` (like `q`)."""
+        """Attend each decode row of `q` `[T, heads, head_dim]` to its context in `layer` of
+        `kv_cache` (base.py's layout, fp32 or bf16); write its row of `out` (like `q`). The
+        arithmetic is fp32; a bf16 model's queries and outputs are converted here (a few KB)."""
         lib = kernel()
-        if lib is None or kv_cache.dtype != torch.float32 or not kv_cache[0, layer].is_contiguous():
-            raise ValueError("the CPU decode kernel needs a loaded kernel and a contiguous fp32 cache")
+        if lib is None or kv_cache.dtype not in CACHE_DTYPES or not kv_cache[0, layer].is_contiguous():
+            raise ValueError("the CPU decode kernel needs a loaded kernel and a contiguous fp32 or bf16 cache")
+        result = out
+        if q.dtype != torch.float32:
+            q = q.float()
+        if out.dtype != torch.float32:
+            out = torch.empty(out.shape, dtype=torch.float32)
+        q = q.contiguous()
         heads, head_dim = q.shape[1], q.shape[2]
         threads = torch.get_num_threads()
         size = threads * heads * self.max_len
         if self._scratch is None or self._scratch.numel() < size:
             self._scratch = torch.empty(size, dtype=torch.float32)
         layer_kv = kv_cache[:, layer]  # [blocks, 2, block_size, kv_heads, head_dim]
-        status = lib.paged_decode_f32(
-            q.data_ptr(), q.stride(0), self.rows.data_ptr(), layer_kv.data_ptr(), layer_kv.stride(0),
+        status = lib.paged_decode(
+            q.data_ptr(), q.stride(0), self.rows.data_ptr(), layer_kv.data_ptr(),
+            int(kv_cache.dtype == torch.bfloat16), layer_kv.stride(0),
             layer_kv.stride(1), self.tables.data_ptr(), self.tables.stride(0), self.lens.data_ptr(),
             out.data_ptr(), out.stride(0), len(self.rows), num_kv_heads, heads // num_kv_heads, head_dim,
             kv_cache.shape[3], self.max_len, head_dim ** -0.5, threads, self._scratch.data_ptr())
         if status != 0:
-            raise ValueError("paged_decode_f32 refused the batch's shape")
+            raise ValueError("paged_decode refused the batch's shape")
+        if result is not out:
+            result.index_copy_(0, self.rows, out.index_select(0, self.rows).to(result.dtype))
 
 
 def main(argv: list[str] | None = None) -> None:

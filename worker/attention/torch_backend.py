@@ -8,7 +8,7 @@ one 500-token answer among 40-token ones) are split into a few groups of similar
 length (`decode_groups`) rather than all padded to the longest. Prefill chunks run one
 SDPA per sequence over that sequence's gathered context.
 
-On CPU with an fp32 cache, decodes go to the C kernel of cpu_decode.py instead (each
+On CPU with an fp32 or bf16 cache, decodes go to the C kernel of cpu_decode.py instead (each
 row's real keys read in place: no gather, no padding, no groups), where it builds.
 """
 
@@ -188,7 +188,7 @@ class TorchAttention:
         write_kv(kv_cache, layer, k, v, self._slots)
         if self._paged is not None:
             out = torch.empty_like(q)
-            self._paged(q.contiguous(), kv_cache, layer, out, self._geometry.num_kv_heads)
+            self._paged(q, kv_cache, layer, out, self._geometry.num_kv_heads)
             for seq in self._prefills:
                 out[seq.start : seq.end] = self._prefill_one(q[seq.start : seq.end], kv_cache, layer, seq)
             return out
