@@ -110,6 +110,9 @@ def test_a_compiler_that_fails_is_a_build_error_naming_the_command(tmp_path, mon
     with pytest.raises(cpu_decode.KernelBuildError, match="false .*cpu_decode.c"):
         cpu_decode.build(tmp_path / "kernels")
     assert not list((tmp_path / "kernels").iterdir())  # no half-written library left
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(cpu_decode.KernelBuildError, match="cannot write"):  # e.g. a read-only home
+        cpu_decode.build(tmp_path / "a-file" / "kernels")
 
 
 def test_without_a_kernel_the_backend_says_so_once_and_keeps_the_torch_path(monkeypatch, caplog) -> None:

@@ -102,9 +102,12 @@ def build(out_dir: Path, march: str | None = None) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise KernelBuildError("no C compiler (cc, gcc or $CC) on PATH")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-    os.close(fd)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
+        os.close(fd)
+    except OSError as exc:  # a read-only home, say
+        raise KernelBuildError(f"cannot write {out_dir}: {exc}") from exc
     try:
         for libs in (["-lm", "-lmvec"], ["-lm"]):  # libmvec: glibc's vector expf, where it exists
             cmd = [cc, *_flags(march), str(SOURCE), "-o", tmp, *libs]
@@ -144,7 +147,7 @@ def kernel() -> ctypes.CDLL | None:
         return None
     try:
         return _load()
-    except KernelBuildError as exc:
+    except (KernelBuildError, OSError) as exc:  # OSError: the source unreadable, say
         log.warning("CPU decode attention kernel unavailable (%s); using the torch path", exc)
         return None
 
