@@ -127,6 +127,12 @@ def test_worker_image_has_the_serving_stack(images: dict[str, dict]) -> None:
     code = "import torch, nixl, av; print(torch.__version__, av.__version__, torch.cuda.is_available())"
     out = docker("run", "--rm", "--network", "host", "--entrypoint", "python", WORKER_TAG, "-c", code).stdout.split()
     assert out == ["2.13.0+cpu", "18.1.0", "False"]
+    # The CPU decode kernel, built ahead where the build stage could install a compiler, loads
+    # as the image's user without one.
+    code = ("import os; from triptych.worker.attention import cpu_decode as c; "
+            "print(len(os.listdir(os.environ['TRIPTYCH_KERNEL_DIR'])), c.kernel() is not None)")
+    built, loaded = docker("run", "--rm", "--entrypoint", "python", WORKER_TAG, "-c", code).stdout.split()
+    assert loaded == str(built != "0"), (built, loaded)
 
 
 def test_operator_image_has_no_torch_and_prints_the_crd(images: dict[str, dict]) -> None:

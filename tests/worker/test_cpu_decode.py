@@ -132,6 +132,7 @@ def test_without_a_kernel_the_backend_says_so_once_and_keeps_the_torch_path(monk
 def test_a_build_is_reused_and_named_for_its_source_flags_and_cpu(tmp_path, monkeypatch) -> None:
     first = cpu_decode.build(tmp_path)
     assert cpu_decode.build(tmp_path) == first  # built once
+    assert first.stat().st_mode & 0o777 == 0o755  # readable by another user (an image's)
     monkeypatch.setattr(cpu_decode, "_cpu_flags", lambda: {"sse2"})  # another machine
     assert cpu_decode._name("native") != first.name
     assert cpu_decode._name("x86-64-v3") == cpu_decode._name("x86-64-v3")  # a portable build: any CPU

@@ -113,6 +113,7 @@ def build(out_dir: Path, march: str | None = None) -> Path:
             cmd = [cc, *_flags(march), str(SOURCE), "-o", tmp, *libs]
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if done.returncode == 0:
+                os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide an image's kernel from its user
                 os.replace(tmp, target)
                 return target
         raise KernelBuildError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
