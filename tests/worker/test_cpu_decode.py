@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,6 +105,17 @@ def test_the_torch_backend_runs_fp32_and_bf16_cpu_decodes_through_the_kernel() -
     assert backend._paged is None and len(backend._decodes) == 1
     backend.plan(meta, AttentionGeometry(4, 2, 512, torch.float32))  # beyond the kernel's head size
     assert backend._paged is None
+
+
+@needs_kernel
+def test_loading_the_kernel_leaves_the_process_floating_point_state_alone(tmp_path) -> None:
+    # Linked with -ffast-math, the library would set flush-to-zero for the whole process on
+    # load (GCC's crtfastmath.o): subnormals become 0 in every op after it, torch's and Python's.
+    code = ("import sys, ctypes; from triptych.worker.attention import cpu_decode as c; "
+            "ctypes.CDLL(str(c.build(__import__('pathlib').Path(sys.argv[1])))); "
+            "print(sys.float_info.min / 2 > 0, float(__import__('torch').tensor(1e-40) * 1.0) > 0)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
 
 
 def test_a_compiler_that_fails_is_a_build_error_naming_the_command(tmp_path, monkeypatch) -> None:

@@ -75,18 +75,26 @@ def _march() -> str:
 
 
 def _flags(march: str) -> list[str]:
-    # -ffast-math: vectorised expf (glibc's libmvec) and reassociated sums, as any two GEMM
-    # libraries differ in the order of their sums; -fopenmp: the sequences in parallel on
-    # torch's own OpenMP runtime (same soname, already loaded). GCC prefers 256-bit vectors
-    # even where AVX-512 exists; whole 512-bit ones measured faster here.
+    """The compile flags (the link takes only `LINK_FLAGS`).
+
+    -ffast-math: vectorised expf (glibc's libmvec) and reassociated sums, as any two GEMM
+    libraries differ in the order of their sums. At compile time only: linked with it, GCC
+    adds crtfastmath.o, whose constructor sets flush-to-zero for the whole process when the
+    library loads (every float op of torch and Python after it; hypothesis refused to run).
+    -fopenmp: the sequences in parallel on torch's own OpenMP runtime (same soname, already
+    loaded). GCC prefers 256-bit vectors even where AVX-512 exists; whole 512-bit ones
+    measured faster here."""
     wide = march == "x86-64-v4" or (march == "native" and "avx512f" in _cpu_flags())
     return ["-O3", f"-march={march}", *(["-mprefer-vector-width=512"] if wide else []),
-            "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+            "-ffast-math", "-fopenmp", "-fPIC"]
+
+
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 def _name(march: str) -> str:
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(_flags(march)).encode())
+    digest = hashlib.sha256(source + " ".join(_flags(march) + LINK_FLAGS).encode())
     if march == "native":  # the same source on another CPU builds its own
         digest.update(" ".join(sorted(_cpu_flags())).encode())
     return f"cpu_decode-{digest.hexdigest()[:16]}.so"
@@ -108,20 +116,29 @@ def build(out_dir: Path, march: str | None = None) -> Path:
         os.close(fd)
     except OSError as exc:  # a read-only home, say
         raise KernelBuildError(f"cannot write {out_dir}: {exc}") from exc
+    obj = tmp + ".o"
     try:
-        for libs in (["-lm", "-lmvec"], ["-lm"]):  # libmvec: glibc's vector expf, where it exists
-            cmd = [cc, *_flags(march), str(SOURCE), "-o", tmp, *libs]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode == 0:
-                os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide an image's kernel from its user
-                os.replace(tmp, target)
-                return target
-        raise KernelBuildError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+        _run([cc, *_flags(march), "-c", str(SOURCE), "-o", obj])
+        link = [cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"]
+        if not _run([*link, "-lmvec"], check=False):  # libmvec: glibc's vector expf, where it exists
+            _run(link)
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would hide an image's kernel from its user
+        os.replace(tmp, target)
+        return target
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise KernelBuildError(f"building {SOURCE.name} failed: {exc}") from exc
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def _run(cmd: list[str], check: bool = True) -> bool:
+    """Run one compiler command; with `check`, a failure is a KernelBuildError naming it."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if done.returncode != 0 and check:
+        raise KernelBuildError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
+    return done.returncode == 0
 
 
 def _load() -> ctypes.CDLL:
