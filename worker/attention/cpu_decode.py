@@ -1,20 +1,20 @@
-"""Paged decode attention on CPU (fp32 or bf16 cache): a small C kernel (cpu_decode.c), built here and called
-through ctypes.
+"""Paged decode attention on CPU (fp32 or bf16 cache): a small C kernel (cpu_decode.c),
+built here and called through ctypes.
 
 The torch path batches decodes into padded `[B, L]` tensors (kept_context.py keeps them
 across steps) and runs two batched GEMMs: with one query row per KV head and group, those
 GEMMs are thin and bandwidth-bound, every row is padded to the longest, and the gathered
 copy is as large as what attention reads. The kernel reads each sequence's real keys and
 values once, where they sit in the paged cache (vLLM's CPU paged-attention kernels do the
-same). Measured on this project's 2-core EPYC (one thread, 32 rows, 8 layers' worth of
-cache): 1.4x the two GEMMs over a kept context at ~165 keys a row, 2x on a long-tailed mix.
+same). On this project's 2-core machine the in-process engine made 1.24x the tokens/s with
+it on a uniform load and 1.49x on a long-tailed one (docs/benchmarks.md, 2026-11-29).
 
 Built on first use with the system C compiler (`cc`, or `$CC`) into
 `$TRIPTYCH_CACHE/kernels` (default ~/.cache/triptych/kernels), under a name that hashes
 the source, the flags and the CPU's flags, so a different machine or source rebuilds;
 `TRIPTYCH_KERNEL_DIR` names a read-only folder searched first (an image's prebuilt
 kernels). `TRIPTYCH_CPU_ATTENTION=torch` keeps the torch path; so does a machine without a
-compiler (logged once). `TRIPTYCH_KERNEL_MARCH` (default `native`) builds for another CPU
+compiler or a writable folder (logged once). `TRIPTYCH_KERNEL_MARCH` (default `native`) builds for another CPU
 level, e.g. `x86-64-v3` for an image that runs on any AVX2 machine.
 """
 
