@@ -186,15 +186,11 @@ class TorchAttention:
         if self._slots is None or self._geometry is None:
             raise RuntimeError("TorchAttention.plan() must be called before forward()")
         write_kv(kv_cache, layer, k, v, self._slots)
-        if self._paged is not None:
-            out = torch.empty_like(q)
-            self._paged(q, kv_cache, layer, out, self._geometry.num_kv_heads)
-            for seq in self._prefills:
-                out[seq.start : seq.end] = self._prefill_one(q[seq.start : seq.end], kv_cache, layer, seq)
-            return out
         if len(self._decodes) == 1 and self._decodes[0].token_index is None:
             return self._decode_batch(q, k, v, kv_cache, layer, self._decodes[0])
         out = torch.empty_like(q)
+        if self._paged is not None:  # then there are no decode groups
+            self._paged(q, kv_cache, layer, out, self._geometry.num_kv_heads)
         for plan in self._decodes:
             assert plan.token_index is not None
             idx = plan.token_index
