@@ -63,6 +63,16 @@ def cpus(text: str) -> float:
     return _positive(text, "CPUs")
 
 
+def cpu_list(text: str) -> tuple[int, ...]:
+    """A Linux CPU list ("0-3,8"): the CPUs a process or thread is bound to."""
+    from triptych.cpu_binding import parse_cpu_list
+
+    try:
+        return parse_cpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def rate(text: str) -> float:
     """An arrival rate: a positive, finite number of requests per second."""
     return _positive(text, "requests/s")
@@ -119,6 +129,14 @@ def add_device(p: argparse.ArgumentParser) -> None:
 
 def add_threads(p: argparse.ArgumentParser, help: str | None = None) -> None:
     p.add_argument("--threads", type=count, default=None, help=help)
+
+
+def add_cpu_binding(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cpu-binding", choices=("off", "auto"), default="off",
+                   help="auto: where every instance can have --threads cores of its own and one is left, "
+                        "bind each engine's step thread to its cores and the router and the workers' other "
+                        "threads to the rest (as vLLM's CPU backend binds its OpenMP threads); not with "
+                        "--instance-cpus or --autoscale (docs/internals.md)")
 
 
 def add_compile_decode(p: argparse.ArgumentParser, help: str) -> None:

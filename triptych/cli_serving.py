@@ -11,6 +11,7 @@ from triptych.cli_args import (
     add_admin_token_file,
     add_allow_no_api_key,
     add_compile_decode,
+    add_cpu_binding,
     add_cpu_period,
     add_device,
     add_dtype,
@@ -27,6 +28,7 @@ from triptych.cli_args import (
     add_threads,
     add_topology,
     add_transfer_require,
+    cpu_list,
     lazy,
 )
 from triptych.topology import ROLE_CHOICES
@@ -62,6 +64,10 @@ def add_worker(sub: argparse._SubParsersAction) -> None:
                    help="a greedy or seeded decode moving out (switch, drain) parks at once, instead of "
                         "decoding on here until its new instance takes over (make-before-break)")
     add_threads(p)
+    p.add_argument("--engine-cpus", type=cpu_list, default=None, metavar="LIST",
+                   help="run the engine's step thread (and its OpenMP threads) on these CPUs, e.g. 1 or 2-3")
+    p.add_argument("--service-cpus", type=cpu_list, default=None, metavar="LIST",
+                   help="run the worker's other threads (event loop, image decode, transfers) on these CPUs")
     add_compile_decode(p, "torch.compile the LM's norms and SiLU gate (falls back to eager if compiling fails)")
     p.add_argument("--decode-threads", type=int, default=2,
                    help="image decode threads; on a V instance, its video decoder threads")
@@ -154,6 +160,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
     add_threads(p, "torch threads per instance (default: ceil(X) with --instance-cpus, else the cores "
                    "but one, which is left to the router, shared out over the instances; at least 1) "
                    "(docs/benchmarks.md)")
+    add_cpu_binding(p)
     p.add_argument("--autoscale", action="store_true", help="also run the planner (triptych autoscale)")
     p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")
     p.add_argument("--autoscale-standby", type=int, default=0,

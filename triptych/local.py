@@ -23,6 +23,14 @@ from pathlib import Path
 import httpx
 
 from triptych.cli_args import resolve_model
+from triptych.cpu_binding import (
+    BindingUnavailable,
+    CpuBinding,
+    available_cpus,
+    bind_current_thread,
+    format_cpu_list,
+    plan,
+)
 from triptych.cpu_quota import PERIOD_US, DeploymentGroups, QuotaUnavailable, check_period_us, threads_for
 from triptych.http_ready import answers_ok
 from triptych.listen_socket import reserve
@@ -129,6 +137,11 @@ class LocalDeployment:
     # whose spawning thread lives as long as it (the planner's; local_spawn.py).
     die_with_parent: bool = False
     threads: int | None = None  # torch threads per instance (None: from the quota or the core count)
+    # Each engine on cores of its own, the router and the workers' other threads on the rest,
+    # where they fit (cpu_binding.py; never with quotas: those share the cores by time).
+    cpu_binding: bool = False
+    binding: CpuBinding | None = None
+    binding_error: str | None = None  # why cpu_binding runs unbound
     processes: list[Process] = field(default_factory=list)
     quota: DeploymentGroups | None = None  # the instances' cgroups, while running with quotas
     quota_error: str | None = None  # why --instance-cpus runs without quotas
@@ -198,6 +211,31 @@ class LocalDeployment:
                   f"running WITHOUT quotas (instances share every core; threads still "
                   f"{self.threads_per_instance()} each)", file=sys.stderr, flush=True)
 
+    def plan_binding(self) -> None:
+        """Bind where every instance gets its own cores and one is left (cpu_binding.py);
+        else say why and run unbound."""
+        if not self.cpu_binding or self.binding is not None:
+            return
+        if self.instance_cpus is not None:
+            self.binding_error = "--instance-cpus shares the cores out by quota"
+            print(f"triptych: CPU binding off: {self.binding_error}", file=sys.stderr, flush=True)
+            return
+        try:
+            self.binding = plan(available_cpus(), self._instance_names(), self.threads_per_instance())
+        except BindingUnavailable as exc:
+            self.binding_error = str(exc)
+            print(f"triptych: CPU binding off: {exc}", file=sys.stderr, flush=True)
+            return
+        print(f"triptych: CPU binding: {self.binding.describe()}", file=sys.stderr, flush=True)
+
+    def _binding_args(self, name: str, kind: InstanceType | str) -> list[str]:
+        cpus = self.binding.engines.get(name) if self.binding is not None else None
+        if self.binding is None or cpus is None:
+            return []
+        if str(kind) == InstanceType.V.value:  # a video decoder is all service: its own cores throughout
+            return ["--service-cpus", format_cpu_list(cpus)]
+        return ["--engine-cpus", format_cpu_list(cpus), "--service-cpus", format_cpu_list(self.binding.service)]
+
     def _preexec_for(self, name: str) -> Callable[[], None] | None:
         """Join the instance's group in the child before exec, so that everything it runs
         or spawns is inside from its first instruction. The router (with a priority above
@@ -242,6 +280,8 @@ class LocalDeployment:
             out = open(self.log_dir / f"{name}.log", "wb")
         cmd = [sys.executable, "-m", "triptych.cli", *args]
         preexec = self._preexec_for(name) if capped or name == "router" else None
+        if self.binding is not None and not capped:  # the router, the planner: the service CPUs
+            preexec = _with_cpus(preexec, self.binding.service)
         if self.die_with_parent:
             preexec = _with_parent_death_signal(preexec)
         popen = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
@@ -251,7 +291,8 @@ class LocalDeployment:
     def start_worker(self, kind: InstanceType | str, index: int | str, port: int | None = None) -> Process:
         args = ["worker", "--model", str(self.model), "--role", str(kind), "--host", self.host,
                 "--instance-id", f"{kind}-{index}",
-                "--transfer-require", self.transfer_require, "--dtype", self.dtype, *self.worker_args]
+                "--transfer-require", self.transfer_require, "--dtype", self.dtype, *self.worker_args,
+                *self._binding_args(f"worker-{kind}-{index}", kind)]
         proc = self._spawn(f"worker-{kind}-{index}", args, port or reserve(self.host), capped=True)
         if str(kind) == UNASSIGNED:
             proc.ready_path = "/live"
@@ -262,6 +303,7 @@ class LocalDeployment:
             return self
         try:
             self.open_quota()
+            self.plan_binding()
             workers = [self.start_worker(kind, i) for kind, n in self.topology.items() for i in range(n)]
             standby = [self.start_worker(role, _extra_index(role, i)) for i, role in enumerate(self.extra_roles)]
             workers += standby
@@ -347,6 +389,14 @@ def _with_parent_death_signal(then: Callable[[], None] | None) -> Callable[[], N
     return preexec
 
 
+def _with_cpus(then: Callable[[], None] | None, cpus: tuple[int, ...]) -> Callable[[], None]:
+    def preexec() -> None:
+        bind_current_thread(cpus)
+        if then is not None:
+            then()
+    return preexec
+
+
 def _router_passthrough(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     if getattr(args, "api_key_file", None):
@@ -405,7 +455,10 @@ def cli_main(args: argparse.Namespace) -> int:
         instance_cpus=getattr(args, "instance_cpus", None),
         cpu_period_ms=getattr(args, "instance_cpu_period_ms", None),
         threads=getattr(args, "threads", None),
+        cpu_binding=getattr(args, "cpu_binding", "off") == "auto" and not autoscale,
     )
+    if autoscale and getattr(args, "cpu_binding", "off") == "auto":
+        print("triptych: CPU binding off: --autoscale starts and stops instances", file=sys.stderr, flush=True)
     stopping = False
 
     def on_signal(signum: int, _frame: object) -> None:

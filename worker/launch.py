@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 
+from triptych.cpu_binding import bind_current_thread
 from triptych.topology import InstanceType
 
 
 def cli_main(args: argparse.Namespace) -> int:
+    if getattr(args, "service_cpus", None):  # first: every thread started from here on inherits it
+        bind_current_thread(args.service_cpus)
     if args.role == InstanceType.V.value:
         from triptych.worker.video_instance import cli_main as video_main
 

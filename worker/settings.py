@@ -36,6 +36,7 @@ class WorkerSettings(BaseModel):
     # over (make-before-break, worker/engine/token_feed.py); off: it parks at once.
     live_handover: bool = True
     compile_decode: bool = False  # EngineConfig.compile_decode
+    engine_cpus: tuple[int, ...] | None = None  # EngineConfig.cpus (triptych/cpu_binding.py)
     decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
     # Image jobs (one or two per stage run with images) running or queued before stage runs
     # get 503. Generous: the router takes a 503 as this instance failing (out of rotation
@@ -99,4 +100,5 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "live_handover": not getattr(args, "no_live_handover", False),
         "decode_threads": getattr(args, "decode_threads", 2),
         "video_decoder": getattr(args, "video_decoder", "auto"),
-        "compile_decode": getattr(args, "compile_decode", False)})
+        "compile_decode": getattr(args, "compile_decode", False),
+        "engine_cpus": getattr(args, "engine_cpus", None)})

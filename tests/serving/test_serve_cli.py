@@ -4,12 +4,14 @@ and on SIGTERM stops every process it started."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import httpx
 import pytest
 import servekit
 
+from triptych.cpu_binding import parse_cpu_list
 from triptych.local import free_port
 
 pytestmark = pytest.mark.slow
@@ -31,3 +33,41 @@ def test_serve_tiny_prints_url_serves_and_stops_cleanly(tmp_path: Path) -> None:
         health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
         assert {k: v["ready"] for k, v in health["roles"].items()} == {"E": 1, "P": 1, "D": 1}
         servekit.stop_cleanly(proc, children)
+
+
+def _cpus_of(pid: int) -> dict[int, tuple[int, ...]]:
+    """Each thread of `pid` and the CPUs it may run on."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        line = next(x for x in (task / "status").read_text().splitlines() if x.startswith("Cpus_allowed_list:"))
+        out[int(task.name)] = parse_cpu_list(line.split(":", 1)[1])
+    return out
+
+
+def test_serve_binds_the_engine_to_its_own_cores_and_the_rest_to_the_others(tmp_path: Path) -> None:
+    """`serve --cpu-binding auto` on a machine with a core to spare: the engine's step thread
+    alone on its core(s); the worker's other threads and the router on the rest."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: an engine cannot have a core of its own (serve runs unbound)")
+    port, err = free_port(), tmp_path / "serve.err"
+    env = dict(os.environ, TRIPTYCH_ADMIN_TOKEN="binding-test")
+    with servekit.serve_cli(port, "EPD", "--cpu-binding", "auto", env=env, stderr=err) as proc:
+        servekit.wait_for_line(proc, "serving", stderr=err)
+        found = re.search(r"CPU binding: engines: worker-EPD-0 on CPU (\S+); router and service threads on CPU (\S+)",
+                          err.read_text())
+        assert found, err.read_text()
+        engine, service = parse_cpu_list(found[1]), parse_cpu_list(found[2])
+        assert not set(engine) & set(service)
+        kids = servekit.children(proc.pid)
+        cmd = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[3].decode() for pid in kids}
+        worker = next(pid for pid, sub in cmd.items() if sub == "worker")
+        router = next(pid for pid, sub in cmd.items() if sub == "router")
+        threads = _cpus_of(worker)
+        assert threads[worker] == service  # the event loop
+        assert sorted(threads.values()).count(engine) == 1  # the step thread, alone
+        assert set(_cpus_of(router).values()) == {service}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                       json={"model": "qwen2-vl-tiny-s0", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                             "messages": [{"role": "user", "content": "Hi"}]})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        servekit.stop_cleanly(proc, kids)

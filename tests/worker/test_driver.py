@@ -4,8 +4,11 @@ waits for a wake-up, not a timer, when all its work is stalled."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,7 +20,9 @@ from triptych.worker.engine.request import Request, RequestOutput, RequestValida
 class FakeEngine:
     """What the driver uses of an Engine: has_work, step, stalled, add_request, abort, fail_all."""
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: tuple[int, ...] | None = None) -> None:
+        self.config = SimpleNamespace(cpus=cpus)
+        self.step_cpus: set[int] | None = None  # the CPUs the step thread may run on
         self.inbox: deque[Request] = deque()
         self.blocked = False
         self.stalled = False
@@ -43,6 +48,7 @@ class FakeEngine:
         self.driver.wake()
 
     def step(self) -> list[RequestOutput]:
+        self.step_cpus = os.sched_getaffinity(0)
         self.steps += 1
         self.stalled = self.blocked
         if self.blocked:
@@ -110,3 +116,26 @@ async def test_a_duplicate_stream_id_is_refused_and_a_left_stream_aborts(engine:
         await pending
     await first.aclose()
     assert engine.aborted == ["d"]
+
+
+async def test_the_step_thread_runs_on_the_engines_cpus_and_the_loop_keeps_its_own() -> None:
+    mine = os.sched_getaffinity(0)
+    cpu = max(mine)
+    e = FakeEngine(cpus=(cpu,))
+    try:
+        outs = await _run(e, "b")
+        assert outs[-1].finished and e.step_cpus == {cpu}
+        assert os.sched_getaffinity(0) == mine  # the caller's thread is not moved
+    finally:
+        e.driver.stop(timeout_s=5)
+
+
+async def test_cpus_it_may_not_use_leave_the_step_thread_where_it_was(caplog: pytest.LogCaptureFixture) -> None:
+    e = FakeEngine(cpus=(4095,))  # outside any cpuset here: sched_setaffinity refuses (EINVAL)
+    try:
+        with caplog.at_level(logging.WARNING, logger="triptych.worker.engine.driver"):
+            outs = await _run(e, "w")
+        assert outs[-1].finished and e.step_cpus == os.sched_getaffinity(0)
+        assert "engine thread not bound to CPUs 4095" in caplog.text
+    finally:
+        e.driver.stop(timeout_s=5)

@@ -42,6 +42,9 @@ class EngineConfig(BaseModel):
     # read (the router detokenizes what it streams itself).
     detokenize: bool = False
     threads: int | None = Field(default=None, ge=1)
+    # The CPUs the driver's step thread runs on (and the OpenMP threads it starts inherit):
+    # cores of its own, away from the event loop and the router (triptych/cpu_binding.py).
+    cpus: tuple[int, ...] | None = None
     # A D instance holds an MM cache too, so that a switch to P (or PD) in place allocates
     # and registers nothing (EPDServe §3.2.4; the worker sets it: roles change at run time).
     keep_mm_cache: bool = False

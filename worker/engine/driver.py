@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, NamedTuple
 
+from triptych.cpu_binding import bind_current_thread, format_cpu_list
 from triptych.worker.engine.request import Request, RequestOutput, RequestValidationError
 
 if TYPE_CHECKING:
@@ -80,6 +81,11 @@ class EngineDriver:
 
     def _loop(self) -> None:
         engine = self._engine
+        if engine.config.cpus:
+            try:
+                bind_current_thread(engine.config.cpus)
+            except OSError as exc:  # a CPU outside this process's cpuset: run where it may
+                log.warning("engine thread not bound to CPUs %s: %s", format_cpu_list(engine.config.cpus), exc)
         while not self._stopping:
             # Cleared before looking for work: a wake-up that lands after the check is kept.
             self._wakeup.clear()
