@@ -139,6 +139,12 @@ def add_cpu_binding(p: argparse.ArgumentParser) -> None:
                         "--instance-cpus or --autoscale (docs/internals.md)")
 
 
+def add_stream_interval(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stream-interval", type=count, default=1, metavar="N",
+                   help="stream each request's tokens N at a time after its first (fewer stream writes "
+                        "for the worker and the router; 1, the default: every token at once)")
+
+
 def add_compile_decode(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--compile-decode", action="store_true", help=help)
 

@@ -25,6 +25,7 @@ from triptych.cli_args import (
     add_planner_slos,
     add_serving_dtype,
     add_slos,
+    add_stream_interval,
     add_threads,
     add_topology,
     add_transfer_require,
@@ -64,6 +65,7 @@ def add_worker(sub: argparse._SubParsersAction) -> None:
                    help="a greedy or seeded decode moving out (switch, drain) parks at once, instead of "
                         "decoding on here until its new instance takes over (make-before-break)")
     add_threads(p)
+    add_stream_interval(p)
     p.add_argument("--engine-cpus", type=cpu_list, default=None, metavar="LIST",
                    help="run the engine's step thread (and its OpenMP threads) on these CPUs, e.g. 1 or 2-3")
     p.add_argument("--service-cpus", type=cpu_list, default=None, metavar="LIST",
@@ -161,6 +163,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    "but one, which is left to the router, shared out over the instances; at least 1) "
                    "(docs/benchmarks.md)")
     add_cpu_binding(p)
+    add_stream_interval(p)
     p.add_argument("--autoscale", action="store_true", help="also run the planner (triptych autoscale)")
     p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")
     p.add_argument("--autoscale-standby", type=int, default=0,

@@ -456,6 +456,7 @@ def cli_main(args: argparse.Namespace) -> int:
         cpu_period_ms=getattr(args, "instance_cpu_period_ms", None),
         threads=getattr(args, "threads", None),
         cpu_binding=getattr(args, "cpu_binding", "off") == "auto" and not autoscale,
+        worker_args=["--stream-interval", str(args.stream_interval)] if getattr(args, "stream_interval", 1) > 1 else [],
     )
     if autoscale and getattr(args, "cpu_binding", "off") == "auto":
         print("triptych: CPU binding off: --autoscale starts and stops instances", file=sys.stderr, flush=True)

@@ -77,7 +77,8 @@ class InstanceRuntime:
                                      token_budget=s.token_budget, image_budget=s.image_budget,
                                      encode_token_budget=s.encode_token_budget,
                                      ttft_slo_s=s.ttft_slo_s, tbt_slo_s=s.tbt_slo_s, keep_mm_cache=True,
-                                     compile_decode=s.compile_decode, cpus=s.engine_cpus))
+                                     compile_decode=s.compile_decode, cpus=s.engine_cpus,
+                                     stream_interval=s.stream_interval))
         transfer, migration = self._wire_transfer(engine, self._new_agent(role))
         if not role.needs_vision:  # a later switch to E loads the vision tower without the imports' wait
             warm_imports(engine.spec, Path(s.model))

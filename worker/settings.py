@@ -37,6 +37,7 @@ class WorkerSettings(BaseModel):
     live_handover: bool = True
     compile_decode: bool = False  # EngineConfig.compile_decode
     engine_cpus: tuple[int, ...] | None = None  # EngineConfig.cpus (triptych/cpu_binding.py)
+    stream_interval: int = 1  # EngineConfig.stream_interval
     decode_threads: int = 2  # image decode + preprocessing pool (admission.py)
     # Image jobs (one or two per stage run with images) running or queued before stage runs
     # get 503. Generous: the router takes a 503 as this instance failing (out of rotation
@@ -101,4 +102,5 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
         "decode_threads": getattr(args, "decode_threads", 2),
         "video_decoder": getattr(args, "video_decoder", "auto"),
         "compile_decode": getattr(args, "compile_decode", False),
-        "engine_cpus": getattr(args, "engine_cpus", None)})
+        "engine_cpus": getattr(args, "engine_cpus", None),
+        "stream_interval": getattr(args, "stream_interval", 1)})

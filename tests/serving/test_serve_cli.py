@@ -3,6 +3,7 @@ and on SIGTERM stops every process it started."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -71,3 +72,25 @@ def test_serve_binds_the_engine_to_its_own_cores_and_the_rest_to_the_others(tmp_
                              "messages": [{"role": "user", "content": "Hi"}]})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
         servekit.stop_cleanly(proc, kids)
+
+
+def test_serve_with_a_stream_interval_streams_the_same_tokens_in_fewer_chunks(tmp_path: Path) -> None:
+    """`serve --stream-interval 4`: a streamed greedy completion has the tokens the
+    unstreamed one has; after the first token they come four at a time."""
+    port, err = free_port(), tmp_path / "serve.err"
+    env = dict(os.environ, TRIPTYCH_ADMIN_TOKEN="interval-test")
+    body = {"model": "qwen2-vl-tiny-s0", "max_tokens": 13, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "messages": [{"role": "user", "content": "Count with me"}]}
+    with servekit.serve_cli(port, "EPD", "--stream-interval", "4", env=env, stderr=err) as proc:
+        servekit.wait_for_line(proc, "serving", stderr=err)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        whole = httpx.post(url, json=body, timeout=60).json()["choices"][0]["token_ids"]
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        ids = [c["choices"][0].get("token_ids") or [] for c in chunks if c.get("choices")]
+        ids = [x for x in ids if x]
+        assert [t for x in ids for t in x] == whole and len(whole) == 13
+        # Threes of fours, after the first token alone (a stream the router reads late
+        # takes several at once: a multiple of 4).
+        assert len(ids) >= 2 and len(ids[0]) % 4 == 1 and all(len(x) % 4 == 0 for x in ids[1:]), ids
+        servekit.stop_cleanly(proc, servekit.children(proc.pid))

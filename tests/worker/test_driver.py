@@ -20,8 +20,8 @@ from triptych.worker.engine.request import Request, RequestOutput, RequestValida
 class FakeEngine:
     """What the driver uses of an Engine: has_work, step, stalled, add_request, abort, fail_all."""
 
-    def __init__(self, cpus: tuple[int, ...] | None = None) -> None:
-        self.config = SimpleNamespace(cpus=cpus)
+    def __init__(self, cpus: tuple[int, ...] | None = None, stream_interval: int = 1) -> None:
+        self.config = SimpleNamespace(cpus=cpus, stream_interval=stream_interval)
         self.step_cpus: set[int] | None = None  # the CPUs the step thread may run on
         self.inbox: deque[Request] = deque()
         self.blocked = False
@@ -139,3 +139,59 @@ async def test_cpus_it_may_not_use_leave_the_step_thread_where_it_was(caplog: py
         assert "engine thread not bound to CPUs 4095" in caplog.text
     finally:
         e.driver.stop(timeout_s=5)
+
+
+def _tok(rid: str, t: int, **kw: object) -> RequestOutput:
+    return RequestOutput(rid, [t], **kw)  # type: ignore[arg-type]
+
+
+async def _delivered(e: FakeEngine, queue: asyncio.Queue[RequestOutput], outs: list[RequestOutput]) -> list[int]:
+    """Hand `outs` to the driver as one step's outputs; the tokens that reached the stream."""
+    e.driver.deliver(outs)
+    await asyncio.sleep(0.05)  # call_soon_threadsafe's callback runs on this loop
+    got = []
+    while not queue.empty():
+        got += queue.get_nowait().new_token_ids
+    return got
+
+
+async def test_a_stream_interval_sends_the_first_token_at_once_then_n_at_a_time() -> None:
+    e = FakeEngine(stream_interval=3)
+    e.blocked = True  # its own steps produce nothing: the test hands the driver each step's outputs
+    stream = e.driver.generate_batches(Request("r", [1]), timeout_s=5)
+    first = asyncio.ensure_future(stream.__anext__())  # registers the sink
+    await asyncio.sleep(0.05)
+    sink = e.driver._sinks["r"]
+    try:
+        e.driver.deliver([_tok("r", 10)])  # the first token: its TTFT is not held
+        assert [o.new_token_ids for o in await asyncio.wait_for(first, 1)] == [[10]]
+        assert await _delivered(e, sink.queue, [_tok("r", 11)]) == []
+        assert await _delivered(e, sink.queue, [_tok("r", 12)]) == []
+        assert await _delivered(e, sink.queue, [_tok("r", 13)]) == [11, 12, 13]
+        assert await _delivered(e, sink.queue, [_tok("r", 14)]) == []
+        # Anything but a plain token output takes what is held with it, in order.
+        assert await _delivered(e, sink.queue, [_tok("r", 15, precopy=True)]) == [14, 15]
+        assert await _delivered(e, sink.queue, [_tok("r", 16)]) == []
+        assert await _delivered(e, sink.queue, [_tok("r", 17, finished=True)]) == [16, 17]
+    finally:
+        await stream.aclose()
+        e.driver.stop(timeout_s=5)
+
+
+async def test_without_an_interval_and_for_a_takeover_every_token_goes_at_once() -> None:
+    for interval, feed in ((1, None), (4, object())):
+        e = FakeEngine(stream_interval=interval)
+        e.blocked = True
+        req = Request("t", [1])
+        req.feed = feed  # type: ignore[assignment]  # a live takeover's target (token_feed.py)
+        stream = e.driver.generate_batches(req, timeout_s=5)
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.05)
+        try:
+            e.driver.deliver([_tok("t", 1)])
+            await asyncio.wait_for(first, 1)
+            queue = e.driver._sinks["t"].queue
+            assert [await _delivered(e, queue, [_tok("t", i)]) for i in (2, 3, 4)] == [[2], [3], [4]]
+        finally:
+            await stream.aclose()
+            e.driver.stop(timeout_s=5)

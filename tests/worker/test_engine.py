@@ -462,3 +462,26 @@ def test_n_choices_fork_one_prefill_into_seeded_streams(qwen2_vl_dir: Path) -> N
     assert [c.output_token_ids for c in children] == [a.output_token_ids for a in alone]
     assert len({tuple(c.output_token_ids) for c in children}) == 3
     assert eng.kv.num_used == 0
+
+
+async def test_a_stream_interval_changes_how_tokens_are_grouped_not_which(qwen2_vl_dir: Path) -> None:
+    """`stream_interval` 3: the same greedy tokens; each stream's first token comes alone,
+    the other 9 three at a time (a stream that looks late takes several threes at once)."""
+    proc = processor(qwen2_vl_dir)
+    cases = make_cases(3)
+    expected = _engine(qwen2_vl_dir).generate_batch(
+        [to_request(proc, c, f"s{i}", _params(max_tokens=10, ignore_eos=True)) for i, c in enumerate(cases)])
+    e = _engine(qwen2_vl_dir, stream_interval=3)
+
+    async def run(req: Request) -> list[list[int]]:
+        return [b for b in [[t for o in batch for t in o.new_token_ids]
+                            async for batch in e.driver.generate_batches(req, timeout_s=60)] if b]
+
+    try:
+        got = await asyncio.gather(*[run(to_request(proc, c, f"s{i}", _params(max_tokens=10, ignore_eos=True)))
+                                     for i, c in enumerate(cases)])
+    finally:
+        e.stop()
+    for groups, want in zip(got, expected, strict=True):
+        assert [t for g in groups for t in g] == want.output_token_ids
+        assert len(groups[0]) == 1 and all(len(g) % 3 == 0 for g in groups[1:]), groups

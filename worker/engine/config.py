@@ -45,6 +45,10 @@ class EngineConfig(BaseModel):
     # The CPUs the driver's step thread runs on (and the OpenMP threads it starts inherit):
     # cores of its own, away from the event loop and the router (triptych/cpu_binding.py).
     cpus: tuple[int, ...] | None = None
+    # Stream a request's tokens N at a time after its first (vLLM's and SGLang's
+    # --stream-interval): fewer stream writes per step for the worker's event loop, which
+    # shares the GIL with the steps, and for the router; 1 streams every token at once.
+    stream_interval: int = Field(default=1, ge=1)
     # A D instance holds an MM cache too, so that a switch to P (or PD) in place allocates
     # and registers nothing (EPDServe §3.2.4; the worker sets it: roles change at run time).
     keep_mm_cache: bool = False

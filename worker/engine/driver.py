@@ -19,7 +19,8 @@ import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from triptych.cpu_binding import bind_current_thread, format_cpu_list
 from triptych.worker.engine.request import Request, RequestOutput, RequestValidationError
@@ -36,11 +37,17 @@ IDLE_WAIT_S = 60.0
 STALLED_WAIT_S = 0.05
 
 
-class _Sink(NamedTuple):
-    """Where one request's outputs go: a queue read on `loop`."""
+@dataclass(eq=False)
+class _Sink:
+    """Where one request's outputs go: a queue read on `loop`. `held`: token outputs kept
+    back under a stream interval (`EngineConfig.stream_interval`), written on the engine
+    thread only (under `EngineDriver._hold_lock`)."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput]
+    may_hold: bool = False
+    delivered: bool = False  # a token output went out: the first one (TTFT) is never held
+    held: list[RequestOutput] = field(default_factory=list)
 
 
 def _deliver(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
@@ -54,6 +61,8 @@ class EngineDriver:
         self._engine = engine
         self._wakeup = threading.Event()
         self._sinks: dict[str, _Sink] = {}
+        self._interval = engine.config.stream_interval
+        self._hold_lock = threading.Lock()  # deliver runs on the engine thread or under the engine's lock
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -103,17 +112,39 @@ class EngineDriver:
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Outputs to their streams: one call_soon_threadsafe per event loop. Runs on the
-        engine thread after each step, or under the engine's lock (`Engine.set_role`)."""
+        engine thread after each step, or under the engine's lock (`Engine.set_role`).
+        Under a stream interval N > 1, a stream's plain token outputs after its first go out
+        N at a time; anything else (finished, an error, a hand-off, a pre-copy) takes what
+        is held with it, in order."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
-        for out in outputs:
-            sink = self._sinks.get(out.request_id)
-            if sink is not None:
-                by_loop.setdefault(sink.loop, []).append((sink.queue, out))
+        with self._hold_lock:
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                due = [out]
+                if sink.may_hold:
+                    due = self._due(sink, out)
+                by_loop.setdefault(sink.loop, []).extend((sink.queue, o) for o in due)
         for loop, items in by_loop.items():
+            if not items:
+                continue
             try:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # that loop is closed: nobody reads these streams any more
                 log.debug("dropped %d outputs for a closed event loop", len(items))
+
+    def _due(self, sink: _Sink, out: RequestOutput) -> list[RequestOutput]:
+        """What of `sink`'s outputs goes out now, `out` included or held (vLLM's and
+        SGLang's `--stream-interval`: fewer, larger stream writes for the host to make)."""
+        plain = out.new_token_ids and not (out.finished or out.error or out.handoff or out.precopy)
+        if plain and sink.delivered and len(sink.held) + 1 < self._interval:
+            sink.held.append(out)
+            return []
+        due = [*sink.held, out]
+        sink.held.clear()
+        sink.delivered = sink.delivered or bool(out.new_token_ids)
+        return due
 
     async def generate(self, req: Request, timeout_s: float | None) -> AsyncIterator[RequestOutput]:
         """See `Engine.generate`."""
@@ -129,7 +160,8 @@ class EngineDriver:
             self.start()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        sink = _Sink(loop, queue)
+        # A takeover's target streams each token at once: its first one ends the hop.
+        sink = _Sink(loop, queue, may_hold=self._interval > 1 and req.feed is None)
         if self._sinks.setdefault(req.request_id, sink) is not sink:
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         done = added = False
