@@ -167,13 +167,19 @@ class Orchestrator:
         """The attempt's plan; its decisions are counted and its image placement remembered.
         With no instance for a stage but one mid-switch that runs it before or after, or one
         out of rotation after a failure it may come back from (`Registry.recovering`), wait
-        (bounded) on the registry's change event for it to come back and plan again."""
+        (bounded) on the registry's change event for it to come back and plan again. An
+        instance an earlier attempt failed on is tried again when the stage has no other."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(self.config.plan_wait_s, self.config.stage_timeout_s)
         while True:
             try:
                 return self._plan_now(req, excluded)
             except NoInstanceError as exc:
+                if excluded and (self.registry.capable(exc.stage) or self.registry.recovering(exc.stage)):
+                    # The stage's only instances are those this request failed on: back to
+                    # them (once they are ready again) rather than a 503 for want of another.
+                    excluded.clear()
+                    continue
                 held = self.registry.switching(exc.stage, excluded) or self.registry.recovering(exc.stage, excluded)
                 if not (held and await self.registry.wait_for_change(deadline - loop.time())):
                     self._decide(exc.stage, "no_instance")

@@ -178,3 +178,22 @@ async def test_a_recovering_instance_that_stays_down_ends_the_wait_once_given_up
         assert err.value.status_code == 503 and gone.failures >= DEAD_AFTER_FAILURES
         assert loop.time() - started < 5.0  # woken when given up on, not at plan_wait_s
         assert cluster.decisions("decode", "no_instance") == 1
+
+
+async def test_a_stage_whose_only_instance_failed_the_attempt_is_retried_there_once_it_is_back():
+    """The only E drops an encode run's stream (CI saw a reset mid-answer on a loaded
+    machine): with no other E to retry on, the retry waits for that one to come back
+    instead of a 503 for want of another."""
+    from fakeworkers import crash_after
+
+    async with FakeCluster("1E1P1D") as cluster:
+        e0 = cluster["e0"]
+        e0.script(crash_after(0))
+        waits = spy_waits(cluster)
+        asyncio.get_running_loop().call_later(  # the registry's next poll finds it answering
+            0.3, lambda: asyncio.ensure_future(cluster.registry.refresh(cluster.client)))
+        req = request(images=("cat",), max_tokens=4)
+        tokens, finish = await asyncio.wait_for(collect(cluster.orchestrator(plan_wait_s=60.0), req), GUARD_S)
+        assert tokens == expected_tokens(req) and finish == "length"
+        assert [r.stages for r in e0.runs] == [["encode"], ["encode"]] and waits
+        assert cluster.decisions("encode", "no_instance") == 0
