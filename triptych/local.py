@@ -229,9 +229,9 @@ class LocalDeployment:
         print(f"triptych: CPU binding: {self.binding.describe()}", file=sys.stderr, flush=True)
 
     def _binding_args(self, name: str, kind: InstanceType | str) -> list[str]:
-        cpus = self.binding.engines.get(name) if self.binding is not None else None
-        if self.binding is None or cpus is None:
+        if self.binding is None or name not in self.binding.engines:
             return []
+        cpus = self.binding.engines[name]
         if str(kind) == InstanceType.V.value:  # a video decoder is all service: its own cores throughout
             return ["--service-cpus", format_cpu_list(cpus)]
         return ["--engine-cpus", format_cpu_list(cpus), "--service-cpus", format_cpu_list(self.binding.service)]

@@ -122,13 +122,10 @@ class EngineDriver:
                 sink = self._sinks.get(out.request_id)
                 if sink is None:
                     continue
-                due = [out]
-                if sink.may_hold:
-                    due = self._due(sink, out)
-                by_loop.setdefault(sink.loop, []).extend((sink.queue, o) for o in due)
+                due = self._due(sink, out) if sink.may_hold else [out]
+                if due:
+                    by_loop.setdefault(sink.loop, []).extend((sink.queue, o) for o in due)
         for loop, items in by_loop.items():
-            if not items:
-                continue
             try:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:  # that loop is closed: nobody reads these streams any more
