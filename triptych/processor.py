@@ -187,7 +187,10 @@ def _open_checked(data: bytes, max_pixels: int) -> Image.Image:
             img = Image.open(io.BytesIO(data), formats=ALLOWED_IMAGE_FORMATS)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageTooLargeError(f"image too large: {e}") from None
-    except (OSError, ValueError, SyntaxError) as e:  # PIL's UnidentifiedImageError is an OSError
+    except Image.UnidentifiedImageError:  # its text names an in-memory buffer's repr: not for the client
+        raise InvalidImageError(f"not a supported image ({', '.join(ALLOWED_IMAGE_FORMATS)}): "
+                                "the data is none of these formats") from None
+    except (OSError, ValueError, SyntaxError) as e:
         raise InvalidImageError(f"not a supported image ({', '.join(ALLOWED_IMAGE_FORMATS)}): {e}") from None
     width, height = img.size
     if width * height > max_pixels:
