@@ -32,7 +32,7 @@ from triptych.router.config import RouterConfig, read_placeholder_ids
 from triptych.router.errors import InvalidRequestError, OpenAIError, install_error_handlers
 from triptych.router.front_door import PUMP_KEY, ClientGone, FrontDoor
 from triptych.router.images import ImageLoader
-from triptych.router.metrics import FrontendMetrics
+from triptych.router.metrics import FrontendMetrics, RequestTimer
 from triptych.router.prompt import (
     Prompt,
     completion_prompt,
@@ -218,10 +218,11 @@ async def _generate(state: RouterState, request: Request, body: ChatCompletionRe
     job = Job(request_id=request_id, model=state.model_name, chat=chat, prompt_len=len(prompt.token_ids),
               max_tokens=sampling.max_tokens, metrics=state.metrics, choices=choices,
               return_token_ids=body.return_token_ids, logprobs=asked_logprobs,
-              token_text=token_text, keep=body.n, parse_tools=parse_tools, echo=echo)
+              token_text=token_text, keep=body.n, parse_tools=parse_tools, echo=echo,
+              timer=RequestTimer(spread=not body.stream))
     gen = GenerationRequest(request_id=request_id, prompt_token_ids=prompt.token_ids,
                             mm_items=prompt.mm_items, images=prompt.images, sampling=sampling,
-                            model=state.model_name, grammar=grammar)
+                            model=state.model_name, grammar=grammar, stream=bool(body.stream))
     metrics = state.metrics
     metrics.prompt_tokens.labels(state.model_name).inc(len(prompt.token_ids))
     metrics.images.labels(state.model_name).inc(len(prompt.images))

@@ -38,6 +38,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     model: str = ""  # the served model name the client asked for
     grammar: str | None = None  # llguidance grammar masking every sampled token (router/structured.py)
+    stream: bool = True  # False: the client takes the answer whole (its tokens may come in groups)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from contextlib import aclosing
 from dataclasses import replace
 
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
-from triptych.router.orchestrator_config import Footprint, OrchestratorConfig, hop_deadline
+from triptych.router.orchestrator_config import Footprint, OrchestratorConfig, hop_deadline, stream_interval
 from triptych.router.overhead import WaitClock
 from triptych.router.overlap import Overlap
 from triptych.router.registry import Instance, Registry
@@ -185,7 +185,8 @@ class DecodeChain:
                     mm_items: list[MMItemSpec], footprint: Footprint) -> AsyncIterator[StageEvent]:
         sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
                             mm_items=mm_items, kv_source=kv, sampling=req.sampling, grammar=req.grammar,
-                            timeout_s=self._hop_deadline([Stage.DECODE], req))
+                            timeout_s=self._hop_deadline([Stage.DECODE], req),
+                            stream_interval=stream_interval(self.config, req))
         return self.stages.run(target, sreq, self.config.stage_timeout_s, footprint.waits)
 
     def takeover(self, req: GenerationRequest, event: PrecopyEvent, mm_items: list[MMItemSpec],
@@ -204,7 +205,8 @@ class DecodeChain:
         footprint.urls.add(target.url)
         sreq = StageRequest(request_id=request_id, stages=[Stage.DECODE], prompt_token_ids=req.prompt_token_ids,
                             mm_items=mm_items, kv_source=event.kv, sampling=req.sampling, grammar=req.grammar,
-                            timeout_s=self._hop_deadline([Stage.DECODE], req))
+                            timeout_s=self._hop_deadline([Stage.DECODE], req),
+                            stream_interval=stream_interval(self.config, req))
         # Its own wait clock: it runs beside the source's hop until the hand-over.
         return Takeover(self.stages, target, sreq, self.config.stage_timeout_s, WaitClock())
 

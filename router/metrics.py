@@ -109,6 +109,10 @@ class RequestTimer:
     last_token_at: float | None = None
     num_tokens: int = 0
     gaps: list[float] = field(default_factory=list)
+    # Tokens the worker groups on purpose (a request taken whole, `stream_interval` in the
+    # stage request): a group's wait is shared among its tokens, the decode's pace, rather
+    # than one long gap and zeros that no client saw either.
+    spread: bool = False
 
     def tokens(self, count: int, now: float | None = None) -> list[float]:
         """Record `count` tokens arriving now; returns the gaps they add."""
@@ -118,6 +122,9 @@ class RequestTimer:
         if self.first_token_at is None:
             self.first_token_at = now
             new = [0.0] * (count - 1)
+        elif self.spread:
+            assert self.last_token_at is not None
+            new = [(now - self.last_token_at) / count] * count
         else:
             assert self.last_token_at is not None
             new = [now - self.last_token_at] + [0.0] * (count - 1)

@@ -25,7 +25,13 @@ from prometheus_client import CollectorRegistry
 from triptych.router.affinity import AffinityIndex, PrefixIndex
 from triptych.router.backend import BackendError, GenerationRequest, TokenEvent
 from triptych.router.decode_chain import DecodeChain, finished
-from triptych.router.orchestrator_config import ENCODE_ID_SUFFIX, Footprint, OrchestratorConfig, hop_deadline
+from triptych.router.orchestrator_config import (
+    ENCODE_ID_SUFFIX,
+    Footprint,
+    OrchestratorConfig,
+    hop_deadline,
+    stream_interval,
+)
 from triptych.router.overhead import record_first_token
 from triptych.router.registry import Registry
 from triptych.router.relay import Relay, first_tokens
@@ -234,7 +240,7 @@ class Orchestrator:
                 images={h: images[h] for h in hop.images if h in images},
                 mm_sources=mm_sources if Stage.PREFILL in hop.stages else [],
                 kv_source=kv_source, sampling=req.sampling, grammar=req.grammar,
-                timeout_s=hop_deadline(self.config, hop.stages, req),
+                timeout_s=hop_deadline(self.config, hop.stages, req), stream_interval=stream_interval(self.config, req),
             )
             footprint.urls.add(hop.instance.url)
             kv_source = None

@@ -40,6 +40,11 @@ class OrchestratorConfig:
     # or D changing role) waits this long — never past stage_timeout_s — for one to come
     # back, instead of a 503; with none switching, the 503 is at once.
     plan_wait_s: float = 10.0
+    # Tokens a worker hands over at a time (after the first) for a request the client takes
+    # whole (stream=false; vLLM sends such a request's output once, at its end): fewer
+    # events for the worker's event loop and the router to carry; stop strings, max_tokens
+    # and migrations flush what is held.
+    whole_interval: int = 16
 
 
 @dataclass
@@ -53,6 +58,11 @@ class Footprint:
 
     def abort_ids(self) -> list[str]:
         return [i + suffix for i in self.ids for suffix in ("", ENCODE_ID_SUFFIX)]
+
+
+def stream_interval(config: OrchestratorConfig, req: GenerationRequest) -> int | None:
+    """What a stage request asks of its worker's stream interval (None: the worker's own)."""
+    return None if req.stream else config.whole_interval
 
 
 def hop_deadline(config: OrchestratorConfig, stages: Sequence[Stage], req: GenerationRequest) -> float:

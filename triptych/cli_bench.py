@@ -103,6 +103,8 @@ def _add_throughput(bsub: argparse._SubParsersAction) -> None:
     t.add_argument("--min-len", type=int, default=8, help="longtail: shortest completion")
     t.add_argument("--max-len", type=int, default=512, help="longtail: longest completion")
     t.add_argument("--repeats", type=int, default=2, help="runs of each (in turns); the best is reported")
+    t.add_argument("--no-stream", action="store_true",
+                   help="unstreamed completions (the answer whole, no TTFT), for the HTTP half")
     add_seed(t)
     add_client_api_key(t)
     add_request_timeout(t, 600.0)

@@ -218,6 +218,10 @@ class StageRequest(BaseModel):
     # the tokens sampled before it (worker/engine/guided.py).
     grammar: str | None = None
     timeout_s: float = Field(default=300.0, gt=0)
+    # Token outputs the instance hands over at a time after the first (its own
+    # `--stream-interval` when None): the router asks for many for a request its client
+    # takes whole (stream=false), where nobody sees the tokens in between.
+    stream_interval: int | None = Field(default=None, ge=1)
 
 
     @field_validator("images", mode="before")

@@ -157,7 +157,7 @@ async def _fork(inst: InstanceRuntime, sreq: StageRequest, starts: list[Start], 
             children.append((i, child, Request(child.request_id, child.prompt_token_ids, child.sampling,
                                                mm_items=child.mm_items, stages=frozenset({Stage.DECODE}),
                                                prefilled=PrefilledKV(blocks, num_tokens, starts[i][0]),
-                                               grammar=child.grammar)))
+                                               grammar=child.grammar, stream_interval=child.stream_interval)))
             children[-1][2].guide = guides[i]
     except BaseException as exc:
         for _, _, child_req in children:

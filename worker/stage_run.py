@@ -85,7 +85,7 @@ async def _pull_inputs(inst: InstanceRuntime, engine: Any, migration: MigrationS
                                     generated=list(src.generated))
         req = Request(sreq.request_id, sreq.prompt_token_ids, sreq.sampling, mm_items=sreq.mm_items,
                       images=images, stages=frozenset(sreq.stages), prefilled=prefilled,
-                      grammar=sreq.grammar)
+                      grammar=sreq.grammar, stream_interval=sreq.stream_interval)
         req.vision_inputs.update(vins)  # the engine's admission skips what is ready here
         # Make-before-break (token_feed.py): a decode that both instances would sample the
         # same way moves live; a takeover here is fed its source's tokens.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 from fakeworkers import (
@@ -113,6 +114,21 @@ async def test_decode_hop_deadline_grows_with_max_tokens():
         await collect(orch, request(max_tokens=10))
         assert cluster["p0"].runs[0].request.timeout_s == 7
         assert cluster["d0"].runs[0].request.timeout_s == 7 + 10 * 0.5
+
+
+async def test_a_request_taken_whole_asks_its_workers_for_grouped_tokens():
+    # stream=false: nobody sees the tokens in between, so the workers hand them over
+    # `whole_interval` at a time; a streamed request leaves each worker its own setting.
+    async with FakeCluster("1E1P1D") as cluster:
+        orch = cluster.orchestrator(whole_interval=12)
+        streamed, whole = request("s", images=("img",)), replace(request("w", images=("img",)), stream=False)
+        for req in (streamed, whole):
+            assert await collect(orch, req) == (expected_tokens(req), "length")
+        asked = {(w, r.id, tuple(r.stages)): r.request.stream_interval for w in ("e0", "p0", "d0")
+                 for r in cluster[w].runs}
+        assert asked == {("e0", "s.encode", ("encode",)): None, ("p0", "s", ("prefill",)): None,
+                         ("d0", "s", ("decode",)): None, ("e0", "w.encode", ("encode",)): None,
+                         ("p0", "w", ("prefill",)): 12, ("d0", "w", ("decode",)): 12}
 
 
 # -- retries -------------------------------------------------------------------------------

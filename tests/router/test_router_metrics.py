@@ -35,6 +35,16 @@ def test_timer_gaps_count_tokens_of_one_event_as_arriving_together() -> None:
     assert t.gaps == pytest.approx([0.5, 0.0, 0.0, 0.1])
 
 
+def test_a_request_taken_whole_shares_a_groups_wait_among_its_tokens() -> None:
+    # Its worker groups the tokens on purpose (stream=false): TBT is the decode's pace, not
+    # one long gap and zeros.
+    t = RequestTimer(start=0.0, spread=True)
+    assert t.tokens(1, now=1.0) == []  # the first token comes alone: its TTFT
+    assert t.tokens(4, now=1.4) == pytest.approx([0.1] * 4)
+    assert t.tokens(2, now=1.6) == pytest.approx([0.1, 0.1])
+    assert t.num_tokens == 7 and t.last_token_at == 1.6
+
+
 def test_attainment_gauge_and_counters() -> None:
     m = FrontendMetrics("m", ttft_slo_s=1.0, tbt_slo_s=0.1, window=4)
     for ttft in (0.5, 0.5, 3.0, 0.5, 3.0, 3.0):

@@ -74,10 +74,12 @@ def _instances(dep) -> list[dict]:
     return r.json()["instances"]
 
 
-def _cases(n: int, seed_base: int) -> list[servekit.Case]:
+def _cases(n: int, seed_base: int, mixed: bool = False) -> list[servekit.Case]:
+    """Streams; `mixed`: every other one unstreamed (its worker holds its tokens in groups
+    until a pre-copy, router/orchestrator_config.py `whole_interval`)."""
     cases = servekit.make_cases(n, max_tokens=300, seed_base=seed_base)
     for c in cases:
-        c.stream = True
+        c.stream = c.stream or not mixed
     return cases
 
 
@@ -161,7 +163,7 @@ def _switch_a_busy_d(dep, role: str, min_running: int = 1) -> dict:
 @pytest.mark.usefixtures("restores_roles")
 def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
     model, dep = epd4
-    cases = _cases(8, seed_base=3100)
+    cases = _cases(8, seed_base=3100, mixed=True)
     taken_over = _migrated_in(dep)
     results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch_a_busy_d(dep, "P")))
     d = {"instance_id": report["instance"]}
@@ -279,7 +281,7 @@ def test_sigterm_hands_long_decodes_to_the_other_decode_instance(epd4) -> None:
     assert len(d_ids) == 2
     victim = next(w for w in dep.workers if "-D-" in w.name)
     survivor = next(w for w in dep.workers if "-D-" in w.name and w is not victim)
-    cases = _cases(6, seed_base=3300)
+    cases = _cases(6, seed_base=3300, mixed=True)
 
     def taken_over() -> int:
         return httpx.get(f"{survivor.url}/admin/stats", timeout=10, headers=ADMIN).json()["counters"]["migrated_in"]

@@ -169,10 +169,30 @@ async def test_a_stream_interval_sends_the_first_token_at_once_then_n_at_a_time(
         assert await _delivered(e, sink.queue, [_tok("r", 12)]) == []
         assert await _delivered(e, sink.queue, [_tok("r", 13)]) == [11, 12, 13]
         assert await _delivered(e, sink.queue, [_tok("r", 14)]) == []
-        # Anything but a plain token output takes what is held with it, in order.
+        # Anything but a plain token output takes what is held with it, in order; a decode
+        # on its way out (a pre-copy) then streams each token at once: the router cuts over
+        # after a token it has.
         assert await _delivered(e, sink.queue, [_tok("r", 15, precopy=True)]) == [14, 15]
-        assert await _delivered(e, sink.queue, [_tok("r", 16)]) == []
-        assert await _delivered(e, sink.queue, [_tok("r", 17, finished=True)]) == [16, 17]
+        assert await _delivered(e, sink.queue, [_tok("r", 16)]) == [16]
+        assert await _delivered(e, sink.queue, [_tok("r", 17)]) == [17]
+    finally:
+        await stream.aclose()
+        e.driver.stop(timeout_s=5)
+
+
+async def test_a_requests_own_interval_overrides_the_engines_and_a_finish_flushes() -> None:
+    e = FakeEngine(stream_interval=1)  # the engine streams each token; this request asked for fours
+    e.blocked = True
+    stream = e.driver.generate_batches(Request("w", [1], stream_interval=4), timeout_s=5)
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0.05)
+    queue = e.driver._sinks["w"].queue
+    try:
+        e.driver.deliver([_tok("w", 10)])
+        assert [o.new_token_ids for o in await asyncio.wait_for(first, 1)] == [[10]]
+        assert [await _delivered(e, queue, [_tok("w", t)]) for t in (11, 12, 13, 14)] == [[], [], [], [11, 12, 13, 14]]
+        assert await _delivered(e, queue, [_tok("w", 15)]) == []
+        assert await _delivered(e, queue, [_tok("w", 16, finished=True)]) == [15, 16]
     finally:
         await stream.aclose()
         e.driver.stop(timeout_s=5)

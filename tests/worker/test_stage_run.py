@@ -138,3 +138,14 @@ async def test_refused_at_admission_during_the_pull_frees_the_blocks_once_the_re
     with pytest.raises(RequestValidationError) as err:
         await asyncio.wait_for(run, timeout=10)
     assert http_status(err.value) == 400 and migration.freed == [[3, 1]]
+
+
+async def test_the_routers_stream_interval_reaches_the_engines_request() -> None:
+    # A request the client takes whole: the router asks for its tokens in groups (driver.py).
+    for asked in (None, 16):
+        migration = FakeMigration(kv_fails=False)
+        req, _ = await prepare(instance(InstanceType.D, migration),
+                               stage_request(kv_source=SOURCES["kv_source"], stream_interval=asked))
+        assert req.stream_interval == asked
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        stage_request(stream_interval=0)

@@ -67,7 +67,7 @@ class RunResult:
     ttft_s: list[float]
 
     def summary(self) -> dict[str, Any]:
-        ttft = sorted(self.ttft_s)
+        ttft = sorted(t for t in self.ttft_s if t > 0)  # unstreamed requests have none
         return {"wall_s": round(self.wall_s, 3), "output_tokens": self.tokens,
                 "output_tokens_per_s": round(self.tokens / self.wall_s, 1) if self.wall_s else 0.0,
                 "ttft_p50_ms": round(1000 * ttft[len(ttft) // 2], 1) if ttft else None,
@@ -75,8 +75,11 @@ class RunResult:
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-               headers: dict[str, str]) -> tuple[int, float, str | None]:
-    """(completion tokens, TTFT, error) of one streaming completion."""
+               headers: dict[str, str], stream: bool = True) -> tuple[int, float, str | None]:
+    """(completion tokens, TTFT, error) of one streaming completion; unstreamed, the TTFT
+    is unknown (0)."""
+    if not stream:
+        return await _one_whole(client, url, model, prompt, max_tokens, headers)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -100,8 +103,20 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
     return tokens, ttft, None
 
 
+async def _one_whole(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
+                     headers: dict[str, str]) -> tuple[int, float, str | None]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    resp = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+    if resp.status_code != 200:
+        return 0, 0.0, f"HTTP {resp.status_code}: {resp.content[:200]!r}"
+    tokens = resp.json()["usage"]["completion_tokens"]
+    if tokens != max_tokens:
+        return tokens, 0.0, f"got {tokens} tokens, asked for {max_tokens}"
+    return tokens, 0.0, None
+
+
 async def run_http(url: str, load: TextLoad, concurrency: int, headers: dict[str, str],
-                   timeout_s: float = 600.0) -> RunResult:
+                   timeout_s: float = 600.0, stream: bool = True) -> RunResult:
     """One closed-loop run against `url`."""
     url = url.rstrip("/")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=concurrency)
@@ -120,7 +135,7 @@ async def run_http(url: str, load: TextLoad, concurrency: int, headers: dict[str
             while work:
                 prompt, n = work.pop(0)
                 try:
-                    got, ttft, err = await _one(client, url, model, prompt, n, headers)
+                    got, ttft, err = await _one(client, url, model, prompt, n, headers, stream)
                 except httpx.HTTPError as exc:
                     got, ttft, err = 0, 0.0, f"{type(exc).__name__}: {exc}"
                 total += got
@@ -202,7 +217,8 @@ def cli_main(args: argparse.Namespace) -> int:
         for _ in range(args.repeats):
             if args.url:
                 try:
-                    r = asyncio.run(run_http(args.url, load, args.concurrency, headers, args.request_timeout))
+                    r = asyncio.run(run_http(args.url, load, args.concurrency, headers, args.request_timeout,
+                                             stream=not args.no_stream))
                 except httpx.HTTPError as exc:
                     print(f"error: {args.url}: {exc}", file=sys.stderr)
                     return 2

@@ -45,6 +45,7 @@ class _Sink:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput]
+    interval: int = 1
     may_hold: bool = False
     delivered: bool = False  # a token output went out: the first one (TTFT) is never held
     held: list[RequestOutput] = field(default_factory=list)
@@ -135,12 +136,15 @@ class EngineDriver:
         """What of `sink`'s outputs goes out now, `out` included or held (vLLM's and
         SGLang's `--stream-interval`: fewer, larger stream writes for the host to make)."""
         plain = out.new_token_ids and not (out.finished or out.error or out.handoff or out.precopy)
-        if plain and sink.delivered and len(sink.held) + 1 < self._interval:
+        if plain and sink.delivered and len(sink.held) + 1 < sink.interval:
             sink.held.append(out)
             return []
         due = [*sink.held, out]
         sink.held.clear()
         sink.delivered = sink.delivered or bool(out.new_token_ids)
+        # A decode on its way to another instance streams every token from here on: the
+        # router cuts over after a token it has (make-before-break), so none may wait here.
+        sink.may_hold = sink.may_hold and not (out.handoff or out.precopy)
         return due
 
     async def generate(self, req: Request, timeout_s: float | None) -> AsyncIterator[RequestOutput]:
@@ -158,7 +162,8 @@ class EngineDriver:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         # A takeover's target streams each token at once: its first one ends the hop.
-        sink = _Sink(loop, queue, may_hold=self._interval > 1 and req.feed is None)
+        interval = req.stream_interval or self._interval
+        sink = _Sink(loop, queue, interval, may_hold=interval > 1 and req.feed is None)
         if self._sinks.setdefault(req.request_id, sink) is not sink:
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         done = added = False

@@ -185,6 +185,9 @@ class Request:
     prefilled: PrefilledKV | None = None
     # An llguidance grammar (guided.py) that masks every token sampled for the request.
     grammar: str | None = None
+    # Token outputs handed to the stream at a time after the first (driver.py); None: the
+    # engine's `stream_interval`. The router asks for more for a request taken whole.
+    stream_interval: int | None = None
 
     # --- runtime state, owned by the engine -------------------------------------------
     status: RequestStatus = field(default=RequestStatus.WAITING_PREFILL, init=False)
