@@ -215,3 +215,25 @@ async def test_without_an_interval_and_for_a_takeover_every_token_goes_at_once()
         finally:
             await stream.aclose()
             e.driver.stop(timeout_s=5)
+
+
+async def test_held_tokens_go_out_once_the_oldest_waited_max_hold_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A slow decode under a large interval: its stream is not left silent for a whole group.
+    monkeypatch.setattr(driver_module, "MAX_HOLD_S", 0.5)
+    e = FakeEngine(stream_interval=16)
+    e.blocked = True
+    stream = e.driver.generate_batches(Request("s", [1]), timeout_s=5)
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0.05)
+    queue = e.driver._sinks["s"].queue
+    try:
+        e.driver.deliver([_tok("s", 10)])
+        await asyncio.wait_for(first, 1)
+        e.driver.deliver([_tok("s", 11)])
+        assert await _delivered(e, queue, [_tok("s", 12)]) == []  # well within 0.5 s: held
+        await asyncio.sleep(0.6)
+        assert await _delivered(e, queue, [_tok("s", 13)]) == [11, 12, 13]
+        assert await _delivered(e, queue, [_tok("s", 14)]) == []  # a new group starts
+    finally:
+        await stream.aclose()
+        e.driver.stop(timeout_s=5)

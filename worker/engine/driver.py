@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -35,6 +36,10 @@ IDLE_WAIT_S = 60.0
 # Work that cannot progress (all of it waits on pulled data or on blocks someone else
 # holds) is retried when woken, and at least this often in case a change went unsignalled.
 STALLED_WAIT_S = 0.05
+# A stream's held tokens go out with its next output once the oldest has waited this long,
+# whatever the interval: a slow decode (a large batch on a capped CPU) never leaves the
+# router's stream silent for a whole group of steps.
+MAX_HOLD_S = 1.0
 
 
 @dataclass(eq=False)
@@ -49,6 +54,7 @@ class _Sink:
     may_hold: bool = False
     delivered: bool = False  # a token output went out: the first one (TTFT) is never held
     held: list[RequestOutput] = field(default_factory=list)
+    held_since: float = 0.0  # time.monotonic() when the oldest held output was held
 
 
 def _deliver(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
@@ -136,7 +142,11 @@ class EngineDriver:
         """What of `sink`'s outputs goes out now, `out` included or held (vLLM's and
         SGLang's `--stream-interval`: fewer, larger stream writes for the host to make)."""
         plain = out.new_token_ids and not (out.finished or out.error or out.handoff or out.precopy)
-        if plain and sink.delivered and len(sink.held) + 1 < sink.interval:
+        now = time.monotonic()
+        if plain and sink.delivered and len(sink.held) + 1 < sink.interval and not (
+                sink.held and now - sink.held_since >= MAX_HOLD_S):
+            if not sink.held:
+                sink.held_since = now
             sink.held.append(out)
             return []
         due = [*sink.held, out]
