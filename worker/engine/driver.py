@@ -50,8 +50,7 @@ class _Sink:
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput]
-    interval: int = 1
-    may_hold: bool = False
+    interval: int = 1  # 1: every output at once (also once the decode is on its way out)
     delivered: bool = False  # a token output went out: the first one (TTFT) is never held
     held: list[RequestOutput] = field(default_factory=list)
     held_since: float = 0.0  # time.monotonic() when the oldest held output was held
@@ -129,7 +128,7 @@ class EngineDriver:
                 sink = self._sinks.get(out.request_id)
                 if sink is None:
                     continue
-                due = self._due(sink, out) if sink.may_hold else [out]
+                due = self._due(sink, out) if sink.interval > 1 else [out]
                 if due:
                     by_loop.setdefault(sink.loop, []).extend((sink.queue, o) for o in due)
         for loop, items in by_loop.items():
@@ -142,19 +141,20 @@ class EngineDriver:
         """What of `sink`'s outputs goes out now, `out` included or held (vLLM's and
         SGLang's `--stream-interval`: fewer, larger stream writes for the host to make)."""
         plain = out.new_token_ids and not (out.finished or out.error or out.handoff or out.precopy)
-        now = time.monotonic()
-        if plain and sink.delivered and len(sink.held) + 1 < sink.interval and not (
-                sink.held and now - sink.held_since >= MAX_HOLD_S):
+        if plain and sink.delivered and len(sink.held) + 1 < sink.interval:
+            now = time.monotonic()
             if not sink.held:
                 sink.held_since = now
-            sink.held.append(out)
-            return []
+            if now - sink.held_since < MAX_HOLD_S:
+                sink.held.append(out)
+                return []
         due = [*sink.held, out]
         sink.held.clear()
         sink.delivered = sink.delivered or bool(out.new_token_ids)
-        # A decode on its way to another instance streams every token from here on: the
-        # router cuts over after a token it has (make-before-break), so none may wait here.
-        sink.may_hold = sink.may_hold and not (out.handoff or out.precopy)
+        if out.handoff or out.precopy:
+            # A decode on its way to another instance streams every token from here on: the
+            # router cuts over after a token it has (make-before-break), so none may wait here.
+            sink.interval = 1
         return due
 
     async def generate(self, req: Request, timeout_s: float | None) -> AsyncIterator[RequestOutput]:
@@ -172,8 +172,7 @@ class EngineDriver:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         # A takeover's target streams each token at once: its first one ends the hop.
-        interval = req.stream_interval or self._interval
-        sink = _Sink(loop, queue, interval, may_hold=interval > 1 and req.feed is None)
+        sink = _Sink(loop, queue, 1 if req.feed is not None else req.stream_interval or self._interval)
         if self._sinks.setdefault(req.request_id, sink) is not sink:
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         done = added = False
