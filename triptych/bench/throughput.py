@@ -75,11 +75,8 @@ class RunResult:
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
-               headers: dict[str, str], stream: bool = True) -> tuple[int, float, str | None]:
-    """(completion tokens, TTFT, error) of one streaming completion; unstreamed, the TTFT
-    is unknown (0)."""
-    if not stream:
-        return await _one_whole(client, url, model, prompt, max_tokens, headers)
+               headers: dict[str, str]) -> tuple[int, float, str | None]:
+    """(completion tokens, TTFT, error) of one streaming completion."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -105,6 +102,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
 
 async def _one_whole(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int,
                      headers: dict[str, str]) -> tuple[int, float, str | None]:
+    """Like `_one`, unstreamed: the answer whole, so its TTFT is unknown (0)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
     resp = await client.post(f"{url}/v1/completions", json=body, headers=headers)
     if resp.status_code != 200:
@@ -124,7 +122,8 @@ async def run_http(url: str, load: TextLoad, concurrency: int, headers: dict[str
         resp = await client.get(f"{url}/v1/models", headers=headers)
         resp.raise_for_status()
         model = resp.json()["data"][0]["id"]
-        await _one(client, url, model, "warm up", 4, headers)  # connections, first-call costs
+        one = _one if stream else _one_whole
+        await one(client, url, model, "warm up", 4, headers)  # connections, first-call costs
         work = list(zip(load.prompts(), load.lengths(), strict=True))
         errors: list[str] = []
         ttfts: list[float] = []
@@ -135,7 +134,7 @@ async def run_http(url: str, load: TextLoad, concurrency: int, headers: dict[str
             while work:
                 prompt, n = work.pop(0)
                 try:
-                    got, ttft, err = await _one(client, url, model, prompt, n, headers, stream)
+                    got, ttft, err = await one(client, url, model, prompt, n, headers)
                 except httpx.HTTPError as exc:
                     got, ttft, err = 0, 0.0, f"{type(exc).__name__}: {exc}"
                 total += got
