@@ -8,6 +8,8 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -155,85 +157,65 @@ async def _delivered(e: FakeEngine, queue: asyncio.Queue[RequestOutput], outs: l
     return got
 
 
-async def test_a_stream_interval_sends_the_first_token_at_once_then_n_at_a_time() -> None:
-    e = FakeEngine(stream_interval=3)
-    e.blocked = True  # its own steps produce nothing: the test hands the driver each step's outputs
-    stream = e.driver.generate_batches(Request("r", [1]), timeout_s=5)
-    first = asyncio.ensure_future(stream.__anext__())  # registers the sink
+@asynccontextmanager
+async def _stream(e: FakeEngine, req: Request, first: int) -> AsyncIterator[tuple[asyncio.Queue[RequestOutput], list[list[int]]]]:
+    """`req`'s stream on `e`, blocked (its own steps produce nothing: the test hands the
+    driver each step's outputs), once it got its first token `first`: the sink's queue and
+    the token ids of that first batch. Closes the stream and stops the driver after."""
+    e.blocked = True
+    stream = e.driver.generate_batches(req, timeout_s=5)
+    opened = asyncio.ensure_future(stream.__anext__())  # registers the sink
     await asyncio.sleep(0.05)
-    sink = e.driver._sinks["r"]
     try:
-        e.driver.deliver([_tok("r", 10)])  # the first token: its TTFT is not held
-        assert [o.new_token_ids for o in await asyncio.wait_for(first, 1)] == [[10]]
-        assert await _delivered(e, sink.queue, [_tok("r", 11)]) == []
-        assert await _delivered(e, sink.queue, [_tok("r", 12)]) == []
-        assert await _delivered(e, sink.queue, [_tok("r", 13)]) == [11, 12, 13]
-        assert await _delivered(e, sink.queue, [_tok("r", 14)]) == []
-        # Anything but a plain token output takes what is held with it, in order; a decode
-        # on its way out (a pre-copy) then streams each token at once: the router cuts over
-        # after a token it has.
-        assert await _delivered(e, sink.queue, [_tok("r", 15, precopy=True)]) == [14, 15]
-        assert await _delivered(e, sink.queue, [_tok("r", 16)]) == [16]
-        assert await _delivered(e, sink.queue, [_tok("r", 17)]) == [17]
+        e.driver.deliver([_tok(req.request_id, first)])
+        batch = await asyncio.wait_for(opened, 1)
+        yield e.driver._sinks[req.request_id].queue, [o.new_token_ids for o in batch]
     finally:
         await stream.aclose()
         e.driver.stop(timeout_s=5)
+
+
+async def test_a_stream_interval_sends_the_first_token_at_once_then_n_at_a_time() -> None:
+    e = FakeEngine(stream_interval=3)
+    async with _stream(e, Request("r", [1]), 10) as (queue, first):
+        assert first == [[10]]  # the first token: its TTFT is not held
+        assert await _delivered(e, queue, [_tok("r", 11)]) == []
+        assert await _delivered(e, queue, [_tok("r", 12)]) == []
+        assert await _delivered(e, queue, [_tok("r", 13)]) == [11, 12, 13]
+        assert await _delivered(e, queue, [_tok("r", 14)]) == []
+        # Anything but a plain token output takes what is held with it, in order; a decode
+        # on its way out (a pre-copy) then streams each token at once: the router cuts over
+        # after a token it has.
+        assert await _delivered(e, queue, [_tok("r", 15, precopy=True)]) == [14, 15]
+        assert await _delivered(e, queue, [_tok("r", 16)]) == [16]
+        assert await _delivered(e, queue, [_tok("r", 17)]) == [17]
 
 
 async def test_a_requests_own_interval_overrides_the_engines_and_a_finish_flushes() -> None:
     e = FakeEngine(stream_interval=1)  # the engine streams each token; this request asked for fours
-    e.blocked = True
-    stream = e.driver.generate_batches(Request("w", [1], stream_interval=4), timeout_s=5)
-    first = asyncio.ensure_future(stream.__anext__())
-    await asyncio.sleep(0.05)
-    queue = e.driver._sinks["w"].queue
-    try:
-        e.driver.deliver([_tok("w", 10)])
-        assert [o.new_token_ids for o in await asyncio.wait_for(first, 1)] == [[10]]
+    async with _stream(e, Request("w", [1], stream_interval=4), 10) as (queue, first):
+        assert first == [[10]]
         assert [await _delivered(e, queue, [_tok("w", t)]) for t in (11, 12, 13, 14)] == [[], [], [], [11, 12, 13, 14]]
         assert await _delivered(e, queue, [_tok("w", 15)]) == []
         assert await _delivered(e, queue, [_tok("w", 16, finished=True)]) == [15, 16]
-    finally:
-        await stream.aclose()
-        e.driver.stop(timeout_s=5)
 
 
 async def test_without_an_interval_and_for_a_takeover_every_token_goes_at_once() -> None:
     for interval, feed in ((1, None), (4, object())):
         e = FakeEngine(stream_interval=interval)
-        e.blocked = True
         req = Request("t", [1])
         req.feed = feed  # type: ignore[assignment]  # a live takeover's target (token_feed.py)
-        stream = e.driver.generate_batches(req, timeout_s=5)
-        first = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0.05)
-        try:
-            e.driver.deliver([_tok("t", 1)])
-            await asyncio.wait_for(first, 1)
-            queue = e.driver._sinks["t"].queue
+        async with _stream(e, req, 1) as (queue, _):
             assert [await _delivered(e, queue, [_tok("t", i)]) for i in (2, 3, 4)] == [[2], [3], [4]]
-        finally:
-            await stream.aclose()
-            e.driver.stop(timeout_s=5)
 
 
 async def test_held_tokens_go_out_once_the_oldest_waited_max_hold_s(monkeypatch: pytest.MonkeyPatch) -> None:
     # A slow decode under a large interval: its stream is not left silent for a whole group.
     monkeypatch.setattr(driver_module, "MAX_HOLD_S", 0.5)
     e = FakeEngine(stream_interval=16)
-    e.blocked = True
-    stream = e.driver.generate_batches(Request("s", [1]), timeout_s=5)
-    first = asyncio.ensure_future(stream.__anext__())
-    await asyncio.sleep(0.05)
-    queue = e.driver._sinks["s"].queue
-    try:
-        e.driver.deliver([_tok("s", 10)])
-        await asyncio.wait_for(first, 1)
+    async with _stream(e, Request("s", [1]), 10) as (queue, _):
         e.driver.deliver([_tok("s", 11)])
         assert await _delivered(e, queue, [_tok("s", 12)]) == []  # well within 0.5 s: held
         await asyncio.sleep(0.6)
         assert await _delivered(e, queue, [_tok("s", 13)]) == [11, 12, 13]
         assert await _delivered(e, queue, [_tok("s", 14)]) == []  # a new group starts
-    finally:
-        await stream.aclose()
-        e.driver.stop(timeout_s=5)
