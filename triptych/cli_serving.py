@@ -59,8 +59,8 @@ def add_worker(sub: argparse._SubParsersAction) -> None:
                    help="a switch or drain moving decodes lets them run this long while their new instances "
                         "pre-copy their full KV blocks (live migration); 0: move them whole at once")
     p.add_argument("--no-live-switch", action="store_true",
-                   help="a P <-> D switch answers only after its decodes moved out (the reply then times the "
-                        "whole migration), instead of as soon as the new role runs")
+                   help="a P <-> D or D/P -> E switch answers only after its decodes moved out (the reply then "
+                        "times the whole migration), instead of as soon as the new role runs")
     p.add_argument("--no-live-handover", action="store_true",
                    help="a greedy or seeded decode moving out (switch, drain) parks at once, instead of "
                         "decoding on here until its new instance takes over (make-before-break)")

@@ -14,9 +14,15 @@ from typing import Any
 from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
-from triptych.worker.engine.role_change import drops_caches, keeps_handovers, preload_parts, same_parts
+from triptych.worker.engine.role_change import (
+    drops_caches,
+    drops_language_later,
+    keeps_handovers,
+    preload_parts,
+    same_parts,
+)
 from triptych.worker.engine.token_feed import TokenFeed
-from triptych.worker.live_switch import await_moved_out, switch_live
+from triptych.worker.live_switch import await_moved_out, close_preloaded, language_work, switch_live
 from triptych.worker.migration import MigrationService
 from triptych.worker.models.vision import warm_imports
 from triptych.worker.settings import WorkerSettings
@@ -114,7 +120,7 @@ class InstanceRuntime:
             try:
                 if self.engine is None or role == UNASSIGNED:
                     return await self._rebuild(role, started)
-                if self.settings.live_switch and same_parts(self.engine, InstanceType(role)):
+                if self.settings.live_switch and self._switches_live(InstanceType(role)):
                     return {**await switch_live(self, InstanceType(role), started), "waited_s": round(waited, 6)}
                 before = dict(self.engine.scheduler.counters.as_dict())
                 # A switch that keeps the caches (P <-> D keeps the KV cache, E -> P/D the MM
@@ -135,7 +141,7 @@ class InstanceRuntime:
                     pending = self.engine.parked_ids()
                     preloaded, agent, preload_s = await asyncio.shield(preload)
                 except BaseException:  # a failed switch: what the preload built goes, once it ends
-                    preload.add_done_callback(_close_agent)
+                    preload.add_done_callback(close_preloaded)
                     raise
                 loaded = time.monotonic()
                 await self._onload(InstanceType(role), preloaded, agent)
@@ -152,6 +158,13 @@ class InstanceRuntime:
                         "swap_s": round(time.monotonic() - loaded, 6)}
             finally:
                 self.switching, self.target_role = False, None
+
+    def _switches_live(self, role: InstanceType) -> bool:
+        """P <-> D, and a switch to E while the language model has work in flight (its
+        prefills and decodes leave after the reply: live_switch.py)."""
+        assert self.engine is not None
+        return same_parts(self.engine, role) or (drops_language_later(self.engine, role) and bool(
+            self.preparing or language_work(self.engine)))
 
     async def _rebuild(self, role: str, started: float) -> dict[str, Any]:
         """From or to unassigned: drain, tear down, build what `role` needs."""
@@ -412,12 +425,6 @@ class InstanceRuntime:
 def _close(agent: TransferEngine | None) -> None:
     if agent is not None:
         agent.close()
-
-
-def _close_agent(task: asyncio.Task[tuple[Any, TransferEngine | None, float]]) -> None:
-    """A failed switch's preload: the agent it built, if any, goes."""
-    if not task.cancelled() and task.exception() is None:
-        _close(task.result()[1])
 
 
 def _report(offload_s: float, migrate_s: float, onload_s: float, migrated: int, handed_back: int,

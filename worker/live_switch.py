@@ -13,6 +13,15 @@ next instance (make-before-break, worker/engine/token_feed.py), and `/admin/stat
 `migrated_ids` when that is done (with `released_tokens`, for decodes handed over live:
 the tokens each had here when its stream let go). A second switch of the same instance waits for this one's
 decodes to have moved out (`await_moved_out`) and reports that wait as `waited_s`.
+
+A switch to E from a role with a language model (D, P, ...) runs live the same way when
+that model still has work in flight (role_change.drops_language_later): the vision tower
+loads while the old role's work goes on (the preload), joins the parts held
+(`Engine.join_parts`), and the switch replies; the old role's decodes move out as above,
+its prefills finish here, and then the language model and its KV cache are let go
+(`drop_language`: a moment in which the instance says `switching` and takes no new stage
+run, so the transfer agent that registered the KV cache can be replaced). `last_switch`
+records when (`parts_freed_s`).
 """
 
 from __future__ import annotations
@@ -24,11 +33,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from triptych.topology import InstanceType, Stage
+from triptych.worker.engine.role_change import same_parts
 from triptych.worker.waits import wait_for
 
 if TYPE_CHECKING:
     from triptych.worker.engine.engine import Engine
     from triptych.worker.instance import InstanceRuntime
+    from triptych.worker.transfer import TransferEngine
 
 log = logging.getLogger("triptych.worker.live_switch")
 
@@ -50,11 +61,14 @@ def leaving_decodes(engine: Engine, role: InstanceType) -> list[str]:
 
 
 async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float) -> dict[str, Any]:
-    """Offload and onload now; the old role's decodes move out in the background."""
+    """Offload and onload now; the old role's decodes move out in the background (and,
+    for a switch that drops the language model, that model goes once its work has left)."""
     engine = inst.engine
     assert engine is not None
     s = inst.settings
     before = dict(engine.scheduler.counters.as_dict())
+    grows = not same_parts(engine, role)  # the vision tower joins now; the language model goes later
+    preload = asyncio.create_task(inst._preload(role)) if grows else None
     # Neither needs the engine's next step boundary before the role changes (that would
     # cost a step of the running decodes): the engine hands back queued work and asks its
     # running decodes for their pre-copy there, whatever its role by then.
@@ -65,11 +79,7 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
     await wait_for(lambda: not inst.preparing, s.drain_timeout_s)
     leaving = leaving_decodes(engine, role)
     offloaded = time.monotonic()
-    # In place (same parts, role_change.same_parts): at once unless a step holds the engine
-    # right now. A thread hop on a capped instance waits for its quota's next period: it
-    # made a loaded P <-> D switch take 10-120 ms at 0.25 CPU (docs/benchmarks.md).
-    if engine.set_role(role, wait=False) is None:
-        await asyncio.to_thread(engine.set_role, role)
+    agent, preload_s = await _take_role(engine, role, preload)
     # A decode hop whose stream added it to the engine after the wait above (its inputs
     # were pulled, its stream had not started) was admitted under the old role: it moves
     # out with the rest. Any added from now on is refused (503: the router goes elsewhere).
@@ -81,13 +91,108 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
                               "handover_s": round(onloaded - started, 6) if not leaving else None,
                               "migrated_ids": [], "moved_tokens": {}}
     inst.last_switch = record
-    if leaving:
-        inst.moving_out = asyncio.create_task(move_out(inst, engine, leaving, started, record))
+    if leaving or grows:
+        inst.moving_out = asyncio.create_task(_leave(inst, engine, role, leaving, agent, started, record))
     log.info("instance %s now serves role %s (live; %d decodes moving out)", s.instance_id, role.value, len(leaving))
     return {"precopy_s": 0.0, "offload_s": round(offloaded - started, 6), "migrate_s": 0.0,
             "onload_s": round(onloaded - offloaded, 6), "total_s": round(onloaded - started, 6),
             "migrated": len(leaving), "handed_back": after["handed_back"] - before["handed_back"],
-            "handover_pending": len(leaving), "migrating": len(leaving)}
+            "handover_pending": len(leaving), "migrating": len(leaving),
+            **({"preload_s": round(preload_s, 6)} if grows else {})}
+
+
+async def _take_role(engine: Engine, role: InstanceType,
+                     preload: asyncio.Task[tuple[Any, TransferEngine | None, float]] | None
+                     ) -> tuple[TransferEngine | None, float]:
+    """Change the engine's role in place with its requests running. Same parts
+    (role_change.same_parts): at once unless a step holds the engine right now — a thread
+    hop on a capped instance waits for its quota's next period: it made a loaded P <-> D
+    switch take 10-120 ms at 0.25 CPU (docs/benchmarks.md). Otherwise the vision tower the
+    preload loaded joins the parts held. Returns the transfer agent the preload built (the
+    one that replaces the instance's once the KV cache goes) and the preload's seconds."""
+    if preload is None:
+        if engine.set_role(role, wait=False) is None:
+            await asyncio.to_thread(engine.set_role, role)
+        return None, 0.0
+    try:
+        parts, agent, preload_s = await asyncio.shield(preload)
+    except BaseException:  # the instance keeps its role; its decodes stay and stop offering pre-copies
+        preload.add_done_callback(close_preloaded)
+        engine.precopy_armed = False
+        raise
+    try:
+        engine.join_parts(role, parts)
+    except BaseException:
+        if agent is not None:
+            agent.close()
+        raise
+    return agent, preload_s
+
+
+async def _leave(inst: InstanceRuntime, engine: Engine, role: InstanceType, leaving: list[str],
+                 agent: TransferEngine | None, started: float, record: dict[str, Any]) -> None:
+    """What a live switch leaves behind it: the old role's decodes move out, and a switch
+    that drops the language model frees it once its work has left."""
+    try:
+        if leaving:
+            await move_out(inst, engine, leaving, started, record)
+        if not same_parts(engine, role):
+            await drop_language(inst, engine, role, agent, started, record)
+            agent = None  # drop_language took it
+    finally:
+        if agent is not None:
+            agent.close()
+
+
+def language_work(engine: Engine) -> list[str]:
+    """Requests in the engine (not parked) that run the language model: a prefill or a decode."""
+    ids = []
+    for request_id in engine.request_ids(parked=False):
+        req = engine.get_request(request_id)
+        if req is not None and (Stage.PREFILL in req.stages or Stage.DECODE in req.stages):
+            ids.append(request_id)
+    return ids
+
+
+async def drop_language(inst: InstanceRuntime, engine: Engine, role: InstanceType, agent: TransferEngine | None,
+                        started: float, record: dict[str, Any]) -> None:
+    """Once the old role's prefills and decodes have left (bounded by drain_timeout_s;
+    what is left then is aborted), free the language model and its KV cache: the
+    instance says `switching` and takes no new stage run (the router sends them
+    elsewhere) while the runs under way end, then `set_role` drops the parts and the
+    transfer agent preloaded for `role` replaces the one that registered the KV cache
+    (its leases, if any, live on under it: `InstanceRuntime._retire`)."""
+    s = inst.settings
+
+    def current() -> bool:
+        return inst.engine is engine and not inst.draining
+
+    try:
+        if not await wait_for(lambda: not current() or not language_work(engine), s.drain_timeout_s, 0.005):
+            for request_id in language_work(engine):
+                log.warning("switch: aborting request %s that did not leave in time", request_id)
+                inst.abort(request_id)
+        if not current():
+            return
+        inst.switching, inst.target_role = True, role.value
+        try:
+            if not await wait_for(lambda: not (inst.inflight or inst.preparing or engine.request_ids(parked=False)),
+                                  s.drain_timeout_s, 0.002):
+                for request_id in engine.request_ids(parked=False):
+                    log.warning("switch: aborting request %s that did not end in time", request_id)
+                    inst.abort(request_id)
+                await wait_for(lambda: not engine.request_ids(parked=False), 5.0, 0.005)
+            taken, agent = agent, None
+            await inst._onload(role, None, taken)
+            record["parts_freed_s"] = round(time.monotonic() - started, 6)
+            log.info("instance %s: the language model went with its last work", s.instance_id)
+        finally:
+            inst.switching, inst.target_role = False, None
+    except Exception:  # the instance serves on as it is: the parts stay until the next switch
+        log.exception("switch: freeing the language model failed")
+    finally:
+        if agent is not None:
+            agent.close()
 
 
 async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], started: float,
@@ -104,8 +209,11 @@ async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], st
 
     try:
         await asyncio.sleep(float(os.environ.get(MOVE_OUT_DELAY_ENV, "0") or 0))
+        # The pre-copy was asked for at the switch's start: its bound counts from there (a
+        # switch to E replies only once the vision tower it preloads is in).
         await wait_for(lambda: not current() or not (engine.precopies_waiting() or (
-            migration is not None and migration.precopies_outstanding())), s.precopy_timeout_s)
+            migration is not None and migration.precopies_outstanding())),
+            started + s.precopy_timeout_s - time.monotonic())
         record["precopy_s"] = round(time.monotonic() - started, 6)
         if not current():
             return
@@ -132,6 +240,12 @@ async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], st
     finally:
         if current() and not inst.draining:
             engine.migrating_out = False  # the new role's own decodes (if any) stay here
+
+
+def close_preloaded(task: asyncio.Task[tuple[Any, TransferEngine | None, float]]) -> None:
+    """A failed switch's preload (`InstanceRuntime._preload`): the agent it built, if any, goes."""
+    if not task.cancelled() and task.exception() is None and task.result()[1] is not None:
+        task.result()[1].close()
 
 
 async def await_moved_out(inst: InstanceRuntime) -> float:

@@ -8,9 +8,12 @@ switch's own cost) and under `--concurrency` streaming requests (ignore_eos), wh
 D->X switch waits until the instance runs decodes, so that they migrate.
 
 `pre-copy ms` is the part of the switch during which the decodes to be moved still run
-here while their new instances pull their full KV blocks (live migration); a D/P -> E
-`total ms` includes it, while a P <-> D switch answers once the new role runs and its
-decodes move out after the reply (`last_switch.precopy_s`, from the switch's start). For each stream it reports how much its largest inter-token gap exceeds its mean gap
+here while their new instances pull their full KV blocks (live migration); a P <-> D
+switch answers once the new role runs and its decodes move out after the reply
+(`last_switch.precopy_s`, from the switch's start), and so does a D/P -> E switch with
+decodes running, once the vision tower it loads is in (`freed ms`: when the language model
+and its KV cache went, after the decodes left; `last_switch.parts_freed_s`); an idle
+D/P -> E frees them before it answers. For each stream it reports how much its largest inter-token gap exceeds its mean gap
 (TPOT), in mean gaps ("added gaps"): a decode moved to another instance mid-stream pauses once,
 for the pull and the hop. `migrated gaps` is the maximum over the streams that moved — the
 switched instance's `/admin/stats` `last_switch.migrated_ids` names them by request id (the
@@ -282,7 +285,8 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                 bodies = build_bodies(work, model, seed=100 + n)
                 results, report = asyncio.run(_streams_while(dep, bodies, during, cfg.request_timeout))
             failed = [r.error for r in results if not r.ok]
-            last = _last_switch(client, dep, inst["url"])
+            # A live switch that drops the language model frees it once its decodes left.
+            last = _last_switch(client, dep, inst["url"], freeing="preload_s" in report and "migrating" in report)
             moved = {i.split(".")[0] for i in last.get("migrated_ids", [])}
             # By the router's request id (a later hop's worker id is `<id>.tN` / `<id>.dN`).
             moved_tokens = {i.split(".")[0]: n for i, n in last.get("moved_tokens", {}).items()}
@@ -299,7 +303,7 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
                    ("offload_s", "migrate_s", "onload_s", "total_s", "migrated", "handed_back")},
                    "precopy_s": last.get("precopy_s") if live else report.get("precopy_s", 0.0),
                    **({"migrated": len(last.get("migrated_ids", []))} if live else {}),
-                   "handover_s": last.get("handover_s"),
+                   "handover_s": last.get("handover_s"), "parts_freed_s": last.get("parts_freed_s"),
                    "requests": len(results), "failed": len(failed),
                    "max_added_gaps": _max_added(results, None),
                    "migrated_added_gaps": _max_added(migrated_results, since),
@@ -321,13 +325,15 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
     return rows
 
 
-def _last_switch(client: httpx.Client, dep: Any, url: str) -> dict[str, Any]:
-    """The instance's record of its last in-place switch (`/admin/stats` `last_switch`)."""
+def _last_switch(client: httpx.Client, dep: Any, url: str, freeing: bool = False) -> dict[str, Any]:
+    """The instance's record of its last in-place switch (`/admin/stats` `last_switch`);
+    with `freeing`, once it has also freed the parts the new role drops."""
     deadline = time.monotonic() + 30  # a live switch's hand-overs may still be confirming
     while True:
         stats = client.get(f"{url}/admin/stats", headers=dep.admin_headers, timeout=10).json()
         last = stats.get("last_switch") or {}
-        if last.get("handover_s") is not None or not last.get("handover_pending") or time.monotonic() > deadline:
+        done = last.get("handover_s") is not None or not last.get("handover_pending")
+        if (done and (not freeing or "parts_freed_s" in last)) or time.monotonic() > deadline:
             return last
         time.sleep(0.05)
 
@@ -362,7 +368,7 @@ def run(cfg: argparse.Namespace) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     head = ("switch", "load", "pre-copy ms", "offload ms", "migrate ms", "onload ms", "total ms", "migrated (live)",
-            "hand-over ms",
+            "hand-over ms", "freed ms",
             "handed back", "failed", "hop gaps", "hop net", "hop gaps (new TPOT)", "hop ms: hand-over/admit/token/client",
             "migrated gaps",
             "others' gaps", "max added gaps")
@@ -372,7 +378,7 @@ def format_table(report: dict[str, Any]) -> str:
                      fmt(r["offload_s"], 1000, 1),
                      fmt(r["migrate_s"], 1000, 1), fmt(r["onload_s"], 1000, 1), fmt(r["total_s"], 1000, 1),
                      f"{r['migrated']} ({r.get('moved_live', 0)})", fmt(r["handover_s"], 1000, 1) if r["migrated"] else "-",
-                     str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
+                     fmt(r.get("parts_freed_s"), 1000, 1), str(r["handed_back"]), f"{r['failed']}/{r['requests']}",
                      fmt(r["hop_added_gaps"], 1, 2), fmt(r.get("hop_net_gaps"), 1, 2), fmt(r.get("hop_target_gaps"), 1, 2),
                      "/".join(fmt(r["hop_ms"][k], 1000, 1) for k in HOP_PARTS) if r.get("hop_ms") else "-",
                      fmt(r["migrated_added_gaps"], 1, 2),

@@ -32,19 +32,14 @@ from triptych.sampling_params import SamplingParams
 from triptych.topology import InstanceType, Stage
 from triptych.worker.engine.admission import Admission
 from triptych.worker.engine.batch import ScheduledBatch
-from triptych.worker.engine.config import (
-    DEFAULT_IMAGE_BUDGET,
-    DEFAULT_TOKEN_BUDGET,
-    EngineConfig,
-    make_kv_cache,
-    make_mm_cache,
-)
+from triptych.worker.engine.config import EngineConfig, make_kv_cache, make_mm_cache
 from triptych.worker.engine.driver import EngineDriver
 from triptych.worker.engine.kv_cache import OutOfBlocksError
 from triptych.worker.engine.model_runner import ModelRunner, Sampled
 from triptych.worker.engine.outputs import OutputProcessor
 from triptych.worker.engine.parallel_vision import ParallelVision, make_parallel_vision
 from triptych.worker.engine.precopy import PreCopy
+from triptych.worker.engine.profiler import engine_budgets
 from triptych.worker.engine.pulled_blocks import PulledBlocks
 from triptych.worker.engine.request import (
     FinishReason,
@@ -53,7 +48,7 @@ from triptych.worker.engine.request import (
     RequestStatus,
     RequestValidationError,
 )
-from triptych.worker.engine.role_change import PartsChanged, change_parts, needs_mm, same_parts
+from triptych.worker.engine.role_change import PartsChanged, change_parts, join_parts, needs_mm, same_parts
 from triptych.worker.engine.scheduler import Counters, QueuedWork, Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -86,7 +81,7 @@ class Engine(PulledBlocks, PreCopy):
         self._inbox: deque[tuple[str, Any]] = deque()
         self._lock = threading.RLock()  # guards caches and queues against reserve_* callers
         self.runner = ModelRunner(self.model, self.kv, self.mm, self.device, self._lock)  # profiling uses it
-        self._budget_pair = self._budgets()
+        self._budget_pair = engine_budgets(self)
         self._wire(Counters(), self.spec.eos_token_ids)
         self.migrating_out = False  # park every decode after its step (role switch / drain)
         self.reset_precopy()
@@ -119,11 +114,7 @@ class Engine(PulledBlocks, PreCopy):
         if not self._lock.acquire(blocking=wait):
             return None
         try:
-            # The inbox runs now (its adds count as held below); its outputs (a live switch's hand-backs
-            # and pre-copy offers, asked for just before) go out at once, ahead of a step in flight's.
-            drained: list[RequestOutput] = []
-            self._drain_inbox(drained)
-            self.driver.deliver(drained)
+            self._run_inbox_now()  # its adds count as held below
             self.precopy_armed = self.precopy_armed and not role.runs(Stage.DECODE)  # decodes that stay: no pre-copy
             # Hand-overs still parked (a migrated decode, a prefill's KV) wait for their pull under a lease:
             # across a change that keeps the language model and its KV cache (P <-> D) they stay put.
@@ -153,6 +144,22 @@ class Engine(PulledBlocks, PreCopy):
         finally:
             self._lock.release()
 
+    def join_parts(self, role: InstanceType, preloaded: Any = None) -> None:
+        """Serve `role` from now on beside the work in flight: what it adds joins the parts
+        held, nothing is freed (role_change.join_parts); admission follows `role`."""
+        with self._lock:
+            self._run_inbox_now()
+            self.precopy_armed = self.precopy_armed and not role.runs(Stage.DECODE)
+            join_parts(self, role, preloaded)
+            self.role = self.config.role = self.admission.role = role
+
+    def _run_inbox_now(self) -> None:
+        """Under the lock, before a role change: the inbox runs, and its outputs (a switch's
+        hand-backs and pre-copy offers) go out at once, ahead of a step in flight's."""
+        drained: list[RequestOutput] = []
+        self._drain_inbox(drained)
+        self.driver.deliver(drained)
+
     def offload(self, *, migrate: bool) -> None:
         """Hand back queued work that has not started; with `migrate`, park every decode
         after its next step for another instance to pull (EPDServe §3.2.4)."""
@@ -164,18 +171,6 @@ class Engine(PulledBlocks, PreCopy):
         `migrating_out` is reset) for another instance to pull; queued work stays."""
         self._inbox.append(("park", None))
         self.driver.wake()
-
-    def _budgets(self) -> tuple[int, int]:
-        cfg = self.config
-        tokens, images = cfg.token_budget, cfg.image_budget
-        if (tokens is None or images is None) and (cfg.ttft_slo_s or cfg.tbt_slo_s):
-            from triptych.worker.engine.profiler import profile_budgets
-
-            found = profile_budgets(self, ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s)
-            tokens = tokens or found.token_budget
-            images = images or found.image_budget
-            log.info("budgets from SLO profiling: %s", found)
-        return tokens or DEFAULT_TOKEN_BUDGET, images or DEFAULT_IMAGE_BUDGET
 
     @property
     def token_budget(self) -> int:
@@ -351,18 +346,9 @@ class Engine(PulledBlocks, PreCopy):
                 "counters": sched.counters.as_dict(),
             }
             if self.kv is not None:
-                # used: referenced by a request or lease; free includes cached blocks nobody
-                # references (evictable), counted again in cached
-                out["kv_cache"] = {"num_blocks": self.kv.num_blocks, "used": self.kv.num_used,
-                                   "free": self.kv.num_free, "cached": self.kv.num_cached,
-                                   "evicted": self.kv.num_evicted,
-                                   "block_size": self.kv.block_size, "bytes": self.kv.nbytes,
-                                   "prefix_caching": self.kv.prefix is not None}
+                out["kv_cache"] = self.kv.stats()
             if self.mm is not None:
-                out["mm_cache"] = {"num_blocks": self.mm.num_blocks, "used": self.mm.num_used,
-                                   "free": self.mm.num_free, "referenced": self.mm.num_referenced,
-                                   "rows_per_block": self.mm.rows_per_block,
-                                   "entries": self.mm.num_entries, "bytes": self.mm.nbytes}
+                out["mm_cache"] = self.mm.stats()
             return out
 
     def queued_work(self) -> dict[Stage, QueuedWork]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -114,6 +115,13 @@ class KVCache:
     @property
     def bytes_per_block(self) -> int:
         return self.nbytes // self.num_blocks
+
+    def stats(self) -> dict[str, Any]:
+        """`/admin/stats` `kv_cache`. used: referenced by a request or lease; free includes
+        cached blocks nobody references (evictable), counted again in cached."""
+        return {"num_blocks": self.num_blocks, "used": self.num_used, "free": self.num_free,
+                "cached": self.num_cached, "evicted": self.num_evicted, "block_size": self.block_size,
+                "bytes": self.nbytes, "prefix_caching": self.prefix is not None}
 
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for(num_tokens, self.block_size)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,6 +71,12 @@ class MMCache:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
+
+    def stats(self) -> dict[str, Any]:
+        """`/admin/stats` `mm_cache`."""
+        return {"num_blocks": self.num_blocks, "used": self.num_used, "free": self.num_free,
+                "referenced": self.num_referenced, "rows_per_block": self.rows_per_block,
+                "entries": self.num_entries, "bytes": self.nbytes}
 
     def blocks_for(self, num_rows: int) -> int:
         return blocks_for(num_rows, self.rows_per_block)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from triptych.slo_budgets import ALPHA, latency_limit, search_budget
 from triptych.topology import Stage
+from triptych.worker.engine.config import DEFAULT_IMAGE_BUDGET, DEFAULT_TOKEN_BUDGET
 
 if TYPE_CHECKING:
     from triptych.worker.engine.engine import Engine
@@ -48,3 +49,16 @@ def profile_budgets(engine: Engine, *, ttft_slo_s: float | None, tbt_slo_s: floa
                         "met here; running with an image budget of 1", *image_size, limit)
     # The engine must make progress even when the SLO is out of reach.
     return Budgets(None if tokens is None else max(1, tokens), None if images is None else max(1, images), limit)
+
+
+def engine_budgets(engine: Engine) -> tuple[int, int]:
+    """The engine's token and image budgets: the configured ones, else (with an SLO) the
+    profiled ones, else the defaults."""
+    cfg = engine.config
+    tokens, images = cfg.token_budget, cfg.image_budget
+    if (tokens is None or images is None) and (cfg.ttft_slo_s or cfg.tbt_slo_s):
+        found = profile_budgets(engine, ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s)
+        tokens = tokens or found.token_budget
+        images = images or found.image_budget
+        log.info("budgets from SLO profiling: %s", found)
+    return tokens or DEFAULT_TOKEN_BUDGET, images or DEFAULT_IMAGE_BUDGET

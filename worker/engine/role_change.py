@@ -68,6 +68,17 @@ def same_parts(engine: Engine, role: InstanceType) -> bool:
             and (engine.kv is not None) == role.needs_language and (engine.mm is not None) == keep_mm)
 
 
+def drops_language_later(engine: Engine, role: InstanceType) -> bool:
+    """Whether a change to `role` (D, P, PD, EP, ED or EPD -> E) may serve the new role at
+    once, with the language model's work still in flight: the vision tower it adds joins
+    the parts held (`Engine.join_parts`), and the language model and its KV cache are let
+    go only once that work has left (`Engine.set_role` on an engine holding none of it).
+    It adds no cache: the MM cache the new role needs is already there (an instance keeps
+    one with `keep_mm_cache`)."""
+    return engine.model.language is not None and not role.needs_language and (
+        engine.mm is not None or not needs_mm(role, engine.config.keep_mm_cache))
+
+
 def preload_parts(engine: Engine, role: InstanceType) -> Any:
     """The weights `role` needs that `engine` lacks (a `LoadedModel` with only those), or
     None: loaded while the engine still serves its old role (a switch overlaps this with
@@ -81,6 +92,21 @@ def preload_parts(engine: Engine, role: InstanceType) -> Any:
         return None
     return load_model(cfg.model, vision=want_vision, language=want_language, dtype=cfg.torch_dtype,
                       device=cfg.device)
+
+
+def join_parts(engine: Engine, role: InstanceType, preloaded: Any = None) -> None:
+    """A change that drops its language model later (`drops_language_later`), with that
+    model's work still running: the vision tower `role` adds (from `preloaded`, what
+    `preload_parts` returned) joins the parts held, in place; the scheduler and its running
+    requests stay, and a forward in flight keeps the runner it started with. A later
+    `Engine.set_role(role)` on an engine with none of that work left drops the rest."""
+    from triptych.worker.models.loader import LoadedModel
+
+    vision = engine.model.vision or (preloaded.vision if preloaded is not None else None)
+    if role.needs_vision and vision is None:
+        raise RuntimeError(f"joining the parts of {role.value} needs the vision tower preloaded")
+    engine.model = LoadedModel(engine.spec, vision, engine.model.language)
+    engine.vision = engine.runner.vision = engine.admission.vision = engine.admission.videos.vision = vision
 
 
 def change_parts(engine: Engine, role: InstanceType, preloaded: Any = None) -> PartsChanged:
