@@ -275,15 +275,16 @@ class InstanceRuntime:
 
         self._handover_task = asyncio.create_task(follow())
 
-    async def _preload(self, role: InstanceType) -> tuple[Any, TransferEngine | None, float]:
+    async def _preload(self, role: InstanceType, *, with_agent: bool = True) -> tuple[Any, TransferEngine | None, float]:
         """Off the event loop: the weights `role` adds (role_change.preload_parts) and, when
-        the change drops a cache, the new transfer agent; and the seconds that took."""
+        the change drops a cache and `with_agent`, the new transfer agent; and the seconds
+        that took."""
         engine = self.engine
         assert engine is not None
         started = time.monotonic()
 
         def load() -> tuple[Any, TransferEngine | None]:
-            agent = self._new_agent(role) if drops_caches(engine, role) else None
+            agent = self._new_agent(role) if with_agent and drops_caches(engine, role) else None
             try:
                 return preload_parts(engine, role), agent
             except BaseException:

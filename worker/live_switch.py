@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from triptych.topology import InstanceType, Stage
-from triptych.worker.engine.role_change import same_parts
+from triptych.worker.engine.role_change import drops_caches, same_parts
 from triptych.worker.waits import wait_for
 
 if TYPE_CHECKING:
@@ -68,7 +68,9 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
     s = inst.settings
     before = dict(engine.scheduler.counters.as_dict())
     grows = not same_parts(engine, role)  # the vision tower joins now; the language model goes later
-    preload = asyncio.create_task(inst._preload(role)) if grows else None
+    # The transfer agent that replaces the KV cache's is built later (drop_language), not
+    # before the reply: at a quarter of a core it took longer than the vision tower.
+    preload = asyncio.create_task(inst._preload(role, with_agent=False)) if grows else None
     # Neither needs the engine's next step boundary before the role changes (that would
     # cost a step of the running decodes): the engine hands back queued work and asks its
     # running decodes for their pre-copy there, whatever its role by then.
@@ -79,7 +81,7 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
     await wait_for(lambda: not inst.preparing, s.drain_timeout_s)
     leaving = leaving_decodes(engine, role)
     offloaded = time.monotonic()
-    agent, preload_s = await _take_role(engine, role, preload)
+    preload_s = await _take_role(engine, role, preload)
     # A decode hop whose stream added it to the engine after the wait above (its inputs
     # were pulled, its stream had not started) was admitted under the old role: it moves
     # out with the rest. Any added from now on is refused (503: the router goes elsewhere).
@@ -92,7 +94,7 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
                               "migrated_ids": [], "moved_tokens": {}}
     inst.last_switch = record
     if leaving or grows:
-        inst.moving_out = asyncio.create_task(_leave(inst, engine, role, leaving, agent, started, record))
+        inst.moving_out = asyncio.create_task(_leave(inst, engine, role, leaving, started, record))
     log.info("instance %s now serves role %s (live; %d decodes moving out)", s.instance_id, role.value, len(leaving))
     return {"precopy_s": 0.0, "offload_s": round(offloaded - started, 6), "migrate_s": 0.0,
             "onload_s": round(onloaded - offloaded, 6), "total_s": round(onloaded - started, 6),
@@ -102,46 +104,33 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
 
 
 async def _take_role(engine: Engine, role: InstanceType,
-                     preload: asyncio.Task[tuple[Any, TransferEngine | None, float]] | None
-                     ) -> tuple[TransferEngine | None, float]:
+                     preload: asyncio.Task[tuple[Any, TransferEngine | None, float]] | None) -> float:
     """Change the engine's role in place with its requests running. Same parts
     (role_change.same_parts): at once unless a step holds the engine right now — a thread
     hop on a capped instance waits for its quota's next period: it made a loaded P <-> D
     switch take 10-120 ms at 0.25 CPU (docs/benchmarks.md). Otherwise the vision tower the
-    preload loaded joins the parts held. Returns the transfer agent the preload built (the
-    one that replaces the instance's once the KV cache goes) and the preload's seconds."""
+    preload loaded joins the parts held. Returns the preload's seconds."""
     if preload is None:
         if engine.set_role(role, wait=False) is None:
             await asyncio.to_thread(engine.set_role, role)
-        return None, 0.0
+        return 0.0
     try:
-        parts, agent, preload_s = await asyncio.shield(preload)
+        parts, _agent, preload_s = await asyncio.shield(preload)  # no agent: with_agent=False
     except BaseException:  # the instance keeps its role; its decodes stay and stop offering pre-copies
-        preload.add_done_callback(close_preloaded)
         engine.precopy_armed = False
         raise
-    try:
-        engine.join_parts(role, parts)
-    except BaseException:
-        if agent is not None:
-            agent.close()
-        raise
-    return agent, preload_s
+    engine.join_parts(role, parts)
+    return preload_s
 
 
 async def _leave(inst: InstanceRuntime, engine: Engine, role: InstanceType, leaving: list[str],
-                 agent: TransferEngine | None, started: float, record: dict[str, Any]) -> None:
+                 started: float, record: dict[str, Any]) -> None:
     """What a live switch leaves behind it: the old role's decodes move out, and a switch
     that drops the language model frees it once its work has left."""
-    try:
-        if leaving:
-            await move_out(inst, engine, leaving, started, record)
-        if not same_parts(engine, role):
-            await drop_language(inst, engine, role, agent, started, record)
-            agent = None  # drop_language took it
-    finally:
-        if agent is not None:
-            agent.close()
+    if leaving:
+        await move_out(inst, engine, leaving, started, record)
+    if not same_parts(engine, role):
+        await drop_language(inst, engine, role, started, record)
 
 
 def language_work(engine: Engine) -> list[str]:
@@ -154,15 +143,16 @@ def language_work(engine: Engine) -> list[str]:
     return ids
 
 
-async def drop_language(inst: InstanceRuntime, engine: Engine, role: InstanceType, agent: TransferEngine | None,
-                        started: float, record: dict[str, Any]) -> None:
+async def drop_language(inst: InstanceRuntime, engine: Engine, role: InstanceType, started: float,
+                        record: dict[str, Any]) -> None:
     """Once the old role's prefills and decodes have left (bounded by drain_timeout_s;
-    what is left then is aborted), free the language model and its KV cache: the
-    instance says `switching` and takes no new stage run (the router sends them
-    elsewhere) while the runs under way end, then `set_role` drops the parts and the
-    transfer agent preloaded for `role` replaces the one that registered the KV cache
-    (its leases, if any, live on under it: `InstanceRuntime._retire`)."""
+    what is left then is aborted), free the language model and its KV cache: a new
+    transfer agent is built (in a thread) to replace the one that registered the KV cache,
+    the instance says `switching` and takes no new stage run (the router sends them
+    elsewhere) while the runs under way end, then `set_role` drops the parts and the new
+    agent takes over (the old one's leases, if any, live on: `InstanceRuntime._retire`)."""
     s = inst.settings
+    agent: TransferEngine | None = None
 
     def current() -> bool:
         return inst.engine is engine and not inst.draining
@@ -172,6 +162,8 @@ async def drop_language(inst: InstanceRuntime, engine: Engine, role: InstanceTyp
             for request_id in language_work(engine):
                 log.warning("switch: aborting request %s that did not leave in time", request_id)
                 inst.abort(request_id)
+        if current() and drops_caches(engine, role):
+            agent = await asyncio.to_thread(inst._new_agent, role)
         if not current():
             return
         inst.switching, inst.target_role = True, role.value

@@ -104,6 +104,9 @@ async def test_a_switch_to_e_answers_while_its_decode_still_runs_then_frees_the_
         qwen2_vl_dir: Path) -> None:
     proc = processor(qwen2_vl_dir)
     inst = await _decoding_instance(qwen2_vl_dir, precopy_timeout_s=0, live_handover=False)
+    agents = []
+    new_agent = inst._new_agent
+    inst._new_agent = lambda role: agents.append(new_agent(role)) or agents[-1]  # type: ignore[method-assign]
     try:
         engine, old_agent = inst.engine, inst.transfer
         assert engine is not None
@@ -111,8 +114,10 @@ async def test_a_switch_to_e_answers_while_its_decode_still_runs_then_frees_the_
         stream = asyncio.create_task(_stream(engine, req, outs, release))
         assert await wait_for(lambda: len(req.output_token_ids) >= 3, 30)
         report = await inst.switch("E")
-        # Answered with the vision tower in and the decode still held: nothing freed yet.
+        # Answered with the vision tower in and the decode still held: nothing freed yet, and
+        # the agent that replaces the KV cache's is built only once that goes.
         assert report["migrating"] == 1 and report["migrate_s"] == 0.0 and report["preload_s"] > 0
+        assert agents == [] and inst.transfer is old_agent
         assert inst.role == "E" and inst.engine is engine and engine.role == InstanceType.E
         assert engine.model.vision is not None and engine.model.language is not None
         assert inst.moving_out is not None and not inst.moving_out.done()
@@ -124,7 +129,7 @@ async def test_a_switch_to_e_answers_while_its_decode_still_runs_then_frees_the_
         await asyncio.wait_for(inst.moving_out, 30)
         await stream
         assert engine.model.language is None and engine.kv is None and engine.mm is not None
-        assert inst.transfer is not old_agent and inst.status == "ok"
+        assert inst.transfer is agents[0] and len(agents) == 1 and inst.status == "ok"
         last = inst.last_switch
         assert last["migrated_ids"] == ["long"] and last["parts_freed_s"] >= last["handover_s"] > report["total_s"]
         assert engine.parked_ids(Stage.ENCODE) == ["img"]
