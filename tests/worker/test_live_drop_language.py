@@ -183,3 +183,40 @@ async def test_the_drop_says_switching_and_waits_for_the_runs_under_way(
         assert seen == ["switching"] and inst.status == "ok" and engine.model.language is None
     finally:
         inst.teardown()
+
+
+async def test_p_to_e_lets_a_prefill_in_flight_finish_exactly_then_frees_the_language_model(
+        qwen2_vl_dir: Path) -> None:
+    """P -> E with a prompt still prefilling in chunks (a token budget of 1): the switch
+    answers at once, the prefill goes on under E to the first token an uninterrupted run
+    samples and parks its KV hand-over; then the language model and the KV cache go."""
+    proc = processor(qwen2_vl_dir)
+    reference = _engine(qwen2_vl_dir, InstanceType.PD)
+    (whole,) = reference.generate_batch([_text_request(proc, "w", 2)])
+    inst = InstanceRuntime(WorkerSettings(model=str(qwen2_vl_dir), instance_id="pe", num_kv_blocks=96,
+                                          num_mm_blocks=64, token_budget=1))
+    await inst.switch("P")
+    try:
+        engine = inst.engine
+        assert engine is not None
+        req = _text_request(proc, "pre", 2)
+        req.stages = {Stage.PREFILL}
+        assert req.num_prompt_tokens > 12  # a step per token
+        outs: list = []
+
+        async def stream() -> None:
+            async for out in engine.generate(req, timeout_s=60):
+                outs.append(out)
+
+        task = asyncio.create_task(stream())
+        assert await wait_for(lambda: req.num_computed_tokens >= 1, 30)
+        report = await inst.switch("E")
+        assert "migrating" in report, "the prefill ended before the switch: not the live path"
+        assert report["migrating"] == 0 and inst.role == "E"
+        await asyncio.wait_for(inst.moving_out, 30)
+        await asyncio.wait_for(task, 30)
+        handoff = next(o.handoff for o in outs if o.handoff is not None)
+        assert handoff.stage == Stage.PREFILL and handoff.first_token == whole.output_token_ids[0]
+        assert engine.model.language is None and engine.kv is None and "parts_freed_s" in inst.last_switch
+    finally:
+        inst.teardown()
