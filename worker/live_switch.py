@@ -77,11 +77,18 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
     engine.offload(migrate=False)  # hand back queued work not started
     if s.precopy_timeout_s > 0 and not role.runs(Stage.DECODE):
         engine.precopy()
-    # A run pulling its inputs joins the engine first: a decode among them moves out with the rest.
-    await wait_for(lambda: not inst.preparing, s.drain_timeout_s)
+    old_role = engine.role
+    # A run pulling its inputs joins the engine first: a decode among them moves out with
+    # the rest. To a role that decodes (P -> D) nothing moves out: such runs land after the
+    # reply instead (`_land`), and the switch need not wait for their pulls.
+    landing = role.runs(Stage.DECODE) and not grows and inst.preparing > 0
+    if not landing:
+        await wait_for(lambda: not inst.preparing, s.drain_timeout_s)
     leaving = leaving_decodes(engine, role)
     offloaded = time.monotonic()
     preload_s = await _take_role(engine, role, preload)
+    if landing:  # admission takes what the old role ran too, until those runs are in
+        engine.admission.role = InstanceType("".join(c for c in "EPD" if c in old_role.value + role.value))
     # A decode hop whose stream added it to the engine after the wait above (its inputs
     # were pulled, its stream had not started) was admitted under the old role: it moves
     # out with the rest. Any added from now on is refused (503: the router goes elsewhere).
@@ -93,8 +100,8 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
                               "handover_s": round(onloaded - started, 6) if not leaving else None,
                               "migrated_ids": [], "moved_tokens": {}}
     inst.last_switch = record
-    if leaving or grows:
-        inst.moving_out = asyncio.create_task(_leave(inst, engine, role, leaving, started, record))
+    if leaving or grows or landing:
+        inst.moving_out = asyncio.create_task(_leave(inst, engine, role, leaving, started, record, landing))
     log.info("instance %s now serves role %s (live; %d decodes moving out)", s.instance_id, role.value, len(leaving))
     return {"precopy_s": 0.0, "offload_s": round(offloaded - started, 6), "migrate_s": 0.0,
             "onload_s": round(onloaded - offloaded, 6), "total_s": round(onloaded - started, 6),
@@ -124,13 +131,29 @@ async def _take_role(engine: Engine, role: InstanceType,
 
 
 async def _leave(inst: InstanceRuntime, engine: Engine, role: InstanceType, leaving: list[str],
-                 started: float, record: dict[str, Any]) -> None:
-    """What a live switch leaves behind it: the old role's decodes move out, and a switch
-    that drops the language model frees it once its work has left."""
+                 started: float, record: dict[str, Any], landing: bool = False) -> None:
+    """What a live switch leaves behind it: runs of the old role still pulling their
+    inputs land, the old role's decodes move out, and a switch that drops the language
+    model frees it once its work has left."""
+    if landing:
+        await _land(inst, engine, role)
     if leaving:
         await move_out(inst, engine, leaving, started, record)
     if not same_parts(engine, role):
         await drop_language(inst, engine, role, started, record)
+
+
+async def _land(inst: InstanceRuntime, engine: Engine, role: InstanceType) -> None:
+    """Once the runs that were pulling their inputs when the role changed are in the engine
+    (bounded by drain_timeout_s: a run still pulling then is refused, 503, and the router
+    retries it elsewhere), admission follows the new role alone. No new run of the old
+    role starts meanwhile: a stage run checks the engine's role before it pulls
+    (stage_run.prepare)."""
+    try:
+        await wait_for(lambda: inst.engine is not engine or not inst.preparing, inst.settings.drain_timeout_s)
+    finally:
+        if engine.role is role:
+            engine.admission.role = role
 
 
 def language_work(engine: Engine) -> list[str]:

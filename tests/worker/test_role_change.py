@@ -366,3 +366,40 @@ def test_set_role_without_waiting_gives_way_to_a_step_holding_the_engine(qwen2_v
         done.set()
         stepper.join(10)
     assert e.set_role(InstanceType.P, wait=False) is not None and e.role == InstanceType.P
+
+
+async def test_p_to_d_does_not_wait_for_a_run_pulling_its_inputs_and_lets_it_land(qwen2_vl_dir: Path) -> None:
+    """A P -> D switch answers without waiting for a prefill run still pulling its inputs
+    (nothing moves out of a role that decodes); until that run is in, admission takes a
+    prefill too, then only what D runs. A D -> P switch still waits for such runs (a decode
+    among them must be listed to move out)."""
+    from triptych.worker.instance import InstanceRuntime
+    from triptych.worker.live_switch import switch_live
+    from triptych.worker.settings import WorkerSettings
+
+    proc = processor(qwen2_vl_dir)
+    case = next(c for c in make_cases(8) if not c.images)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    def runtime(role: InstanceType) -> InstanceRuntime:
+        inst = InstanceRuntime(WorkerSettings(model=str(qwen2_vl_dir), instance_id=f"w-{role.value}",
+                                              drain_timeout_s=30, precopy_timeout_s=0))
+        inst.engine, inst.role, inst.preparing = _engine(qwen2_vl_dir, role), role.value, 1  # a run pulling
+        return inst
+
+    p = runtime(InstanceType.P)
+    report = await asyncio.wait_for(switch_live(p, InstanceType.D, 0.0), 5)
+    assert p.engine.role == InstanceType.D and p.role == "D" and report["migrating"] == 0
+    p.engine.add_request(to_request(proc, case, "landed", params, stages={Stage.PREFILL}))  # the run lands
+    p.preparing = 0
+    await asyncio.wait_for(p.moving_out, 5)
+    with pytest.raises(StageNotServedError):
+        p.engine.add_request(to_request(proc, case, "late", params, stages={Stage.PREFILL}))
+
+    d = runtime(InstanceType.D)
+    switching = asyncio.create_task(switch_live(d, InstanceType.P, 0.0))
+    await asyncio.sleep(0.2)
+    assert not switching.done() and d.engine.role == InstanceType.D
+    d.preparing = 0
+    await asyncio.wait_for(switching, 5)
+    assert d.engine.role == InstanceType.P
