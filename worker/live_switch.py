@@ -50,12 +50,20 @@ MOVE_OUT_DELAY_ENV = "TRIPTYCH_TEST_MOVE_OUT_DELAY_S"
 
 def leaving_decodes(engine: Engine, role: InstanceType) -> list[str]:
     """Decodes in the engine (not parked) that `role` does not run: they must move out."""
-    if role.runs(Stage.DECODE):
-        return []
+    return [] if role.runs(Stage.DECODE) else running_with(engine, {Stage.DECODE})
+
+
+def language_work(engine: Engine) -> list[str]:
+    """Requests in the engine (not parked) that run the language model: a prefill or a decode."""
+    return running_with(engine, {Stage.PREFILL, Stage.DECODE})
+
+
+def running_with(engine: Engine, stages: set[Stage]) -> list[str]:
+    """Requests in the engine (not parked; adds still in its inbox too) that run any of `stages`."""
     ids = []
     for request_id in engine.request_ids(parked=False):
         req = engine.get_request(request_id)  # None: ended meanwhile
-        if req is not None and Stage.DECODE in req.stages:
+        if req is not None and stages & req.stages:
             ids.append(request_id)
     return ids
 
@@ -154,16 +162,6 @@ async def _land(inst: InstanceRuntime, engine: Engine, role: InstanceType) -> No
     finally:
         if engine.role is role:
             engine.admission.role = role
-
-
-def language_work(engine: Engine) -> list[str]:
-    """Requests in the engine (not parked) that run the language model: a prefill or a decode."""
-    ids = []
-    for request_id in engine.request_ids(parked=False):
-        req = engine.get_request(request_id)
-        if req is not None and (Stage.PREFILL in req.stages or Stage.DECODE in req.stages):
-            ids.append(request_id)
-    return ids
 
 
 async def drop_language(inst: InstanceRuntime, engine: Engine, role: InstanceType, started: float,
