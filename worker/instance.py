@@ -22,7 +22,7 @@ from triptych.worker.engine.role_change import (
     same_parts,
 )
 from triptych.worker.engine.token_feed import TokenFeed
-from triptych.worker.live_switch import await_moved_out, close_preloaded, language_work, switch_live
+from triptych.worker.live_switch import await_moved_out, language_work, switch_live
 from triptych.worker.migration import MigrationService
 from triptych.worker.models.vision import warm_imports
 from triptych.worker.settings import WorkerSettings
@@ -141,7 +141,7 @@ class InstanceRuntime:
                     pending = self.engine.parked_ids()
                     preloaded, agent, preload_s = await asyncio.shield(preload)
                 except BaseException:  # a failed switch: what the preload built goes, once it ends
-                    preload.add_done_callback(close_preloaded)
+                    preload.add_done_callback(_close_agent)
                     raise
                 loaded = time.monotonic()
                 await self._onload(InstanceType(role), preloaded, agent)
@@ -426,6 +426,12 @@ class InstanceRuntime:
 def _close(agent: TransferEngine | None) -> None:
     if agent is not None:
         agent.close()
+
+
+def _close_agent(task: asyncio.Task[tuple[Any, TransferEngine | None, float]]) -> None:
+    """A failed switch's preload: the agent it built, if any, goes."""
+    if not task.cancelled() and task.exception() is None:
+        _close(task.result()[1])
 
 
 def _report(offload_s: float, migrate_s: float, onload_s: float, migrated: int, handed_back: int,

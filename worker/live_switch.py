@@ -109,7 +109,7 @@ async def switch_live(inst: InstanceRuntime, role: InstanceType, started: float)
                               "migrated_ids": [], "moved_tokens": {}}
     inst.last_switch = record
     if leaving or grows or landing:
-        inst.moving_out = asyncio.create_task(_leave(inst, engine, role, leaving, started, record, landing))
+        inst.moving_out = asyncio.create_task(_leave(inst, engine, role, leaving, started, record, landing, grows))
     log.info("instance %s now serves role %s (live; %d decodes moving out)", s.instance_id, role.value, len(leaving))
     return {"precopy_s": 0.0, "offload_s": round(offloaded - started, 6), "migrate_s": 0.0,
             "onload_s": round(onloaded - offloaded, 6), "total_s": round(onloaded - started, 6),
@@ -139,7 +139,7 @@ async def _take_role(engine: Engine, role: InstanceType,
 
 
 async def _leave(inst: InstanceRuntime, engine: Engine, role: InstanceType, leaving: list[str],
-                 started: float, record: dict[str, Any], landing: bool = False) -> None:
+                 started: float, record: dict[str, Any], landing: bool, grows: bool) -> None:
     """What a live switch leaves behind it: runs of the old role still pulling their
     inputs land, the old role's decodes move out, and a switch that drops the language
     model frees it once its work has left."""
@@ -147,7 +147,7 @@ async def _leave(inst: InstanceRuntime, engine: Engine, role: InstanceType, leav
         await _land(inst, engine, role)
     if leaving:
         await move_out(inst, engine, leaving, started, record)
-    if not same_parts(engine, role):
+    if grows:
         await drop_language(inst, engine, role, started, record)
 
 
@@ -253,12 +253,6 @@ async def move_out(inst: InstanceRuntime, engine: Engine, leaving: list[str], st
     finally:
         if current() and not inst.draining:
             engine.migrating_out = False  # the new role's own decodes (if any) stay here
-
-
-def close_preloaded(task: asyncio.Task[tuple[Any, TransferEngine | None, float]]) -> None:
-    """A failed switch's preload (`InstanceRuntime._preload`): the agent it built, if any, goes."""
-    if not task.cancelled() and task.exception() is None and task.result()[1] is not None:
-        task.result()[1].close()
 
 
 async def await_moved_out(inst: InstanceRuntime) -> float:
