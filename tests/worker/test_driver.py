@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -31,7 +32,18 @@ class FakeEngine:
         self.checks = 0
         self.steps = 0
         self.aborted: list[str] = []
+        self.warm_sizes: list[int] = []  # what `warm_ups` yields
+        self.warm_pause_s = 0.0  # how long each size takes to build
+        self.warmed: list[tuple[int, str]] = []  # (size, the thread it was built on)
         self.driver = EngineDriver(self)  # type: ignore[arg-type]
+
+    def warm_ups(self):
+        for size in self.warm_sizes:
+            time.sleep(self.warm_pause_s)
+            if size < 0:
+                raise RuntimeError("no kernel for that")
+            self.warmed.append((size, threading.current_thread().name))
+            yield size
 
     @property
     def has_work(self) -> bool:
@@ -85,6 +97,41 @@ async def test_idle_driver_does_not_poll_and_wakes_on_work(engine: FakeEngine) -
     outs = await _run(engine, "a")
     assert outs[-1].finished and time.monotonic() - t0 < 1.0
     assert engine.steps == 1
+
+
+async def test_an_idle_driver_builds_the_kernels_ahead_on_its_thread_then_sleeps(engine: FakeEngine) -> None:
+    engine.warm_sizes = [1, 2, 4, 8]
+    engine.driver.start()
+    await asyncio.sleep(0.3)
+    assert engine.warmed == [(1, "triptych-engine"), (2, "triptych-engine"), (4, "triptych-engine"),
+                             (8, "triptych-engine")]
+    assert engine.checks == 5  # a look for work before each size and one after: then asleep
+    outs = await _run(engine, "a")
+    assert outs[-1].finished and engine.steps == 1
+
+
+async def test_work_that_comes_during_the_warm_up_goes_first(engine: FakeEngine) -> None:
+    engine.warm_sizes, engine.warm_pause_s = list(range(1, 41)), 0.05  # two seconds of building
+    engine.driver.start()
+    await asyncio.sleep(0.2)
+    t0 = time.monotonic()
+    outs = await _run(engine, "a")
+    assert outs[-1].finished and time.monotonic() - t0 < 0.5  # served between two sizes
+    assert len(engine.warmed) < 20
+    await asyncio.sleep(2.5)
+    assert [size for size, _ in engine.warmed] == list(range(1, 41))  # and the rest built after it
+
+
+async def test_a_failing_warm_up_is_logged_and_the_driver_serves_on(engine: FakeEngine,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    engine.warm_sizes = [1, -1, 4]
+    with caplog.at_level(logging.ERROR, logger="triptych.worker.engine.driver"):
+        engine.driver.start()
+        await asyncio.sleep(0.2)
+    assert engine.warmed == [(1, "triptych-engine")]  # nothing after the failure
+    assert "building GEMM kernels ahead failed" in caplog.text
+    outs = await _run(engine, "a")
+    assert outs[-1].finished
 
 
 async def test_stalled_work_waits_for_a_wake_up(engine: FakeEngine) -> None:

@@ -9,7 +9,9 @@ idle starts at once. A stream waits on an asyncio queue that the thread fills wi
 every output of the step (not one per output: each call wakes the loop through its
 self-pipe and costs the engine thread Python work it holds the GIL for), and a stream
 takes everything queued for it at once (`generate_batches`): a stream that fell behind
-catches up in one write.
+catches up in one write. While idle, the thread first builds the GEMM kernels of the
+batch sizes to come (`Engine.warm_ups`, a size at a time between looks for work): oneDNN
+builds them per thread, on first use otherwise (worker/models/linear_kernels.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -101,10 +103,14 @@ class EngineDriver:
                 bind_current_thread(engine.config.cpus)
             except OSError as exc:  # a CPU outside this process's cpuset: run where it may
                 log.warning("engine thread not bound to CPUs %s: %s", format_cpu_list(engine.config.cpus), exc)
+        warming: Iterator[int] | None = engine.warm_ups()  # GEMM kernels built ahead, while idle
         while not self._stopping:
             # Cleared before looking for work: a wake-up that lands after the check is kept.
             self._wakeup.clear()
             if not engine.has_work:
+                if warming is not None and self._warm_one(warming):
+                    continue  # one batch size's kernels built: look for work again
+                warming = None
                 self._wakeup.wait(IDLE_WAIT_S)
                 continue
             try:
@@ -115,6 +121,16 @@ class EngineDriver:
             self.deliver(outputs)
             if engine.stalled and not outputs:
                 self._wakeup.wait(STALLED_WAIT_S)
+
+    @staticmethod
+    def _warm_one(warming: Iterator[int]) -> bool:
+        """Build the next size's kernels (worker/models/linear_kernels.py); False once
+        there are none left, or building failed (they are then built on first use)."""
+        try:
+            return next(warming, None) is not None
+        except Exception:  # noqa: BLE001 - a kernel that fails here fails its first step, which reports it
+            log.exception("building GEMM kernels ahead failed")
+            return False
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
         """Outputs to their streams: one call_soon_threadsafe per event loop. Runs on the

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from triptych.worker.engine.request import (
 )
 from triptych.worker.engine.role_change import PartsChanged, change_parts, join_parts, needs_mm, same_parts
 from triptych.worker.engine.scheduler import Counters, QueuedWork, Scheduler, SchedulerConfig
+from triptych.worker.models.linear_kernels import warm
 
 log = logging.getLogger(__name__)
 
@@ -409,6 +410,11 @@ class Engine(PulledBlocks, PreCopy):
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.driver.stop(timeout_s)
+
+    def warm_ups(self) -> Iterator[int]:
+        """The language model's GEMM kernels of every decode batch size, built one size per
+        `next()` (linear_kernels.warm); the driver runs them while it idles."""
+        return warm(self.language.gemm_kernels() if self.language is not None else [], self.config.max_num_seqs)
 
     def generate(self, req: Request, timeout_s: float | None = 600.0) -> AsyncIterator[RequestOutput]:
         """Stream a request's output deltas; the last one has `finished=True`. Leaving the

@@ -53,6 +53,13 @@ class LanguageModel(nn.Module):
             layer.mlp.fuse()
         self._lm_head = linear_kernel(self.lm_head)
 
+    def gemm_kernels(self) -> list[Linear]:
+        """One kernel of each GEMM shape (every layer has the first layer's shapes)."""
+        if self._lm_head is None or not self.layers:
+            return []
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
+        return [attn._qkv, attn._o, mlp._gate_up, mlp._down, self._lm_head]
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[T, H]` (placeholder rows are overwritten by the caller)."""
         return self.embed_tokens(token_ids.to(self.device))
