@@ -56,9 +56,8 @@ class LanguageModel(nn.Module):
     def gemm_kernels(self) -> list[Linear]:
         """One kernel of each GEMM shape (every layer has the first layer's shapes)."""
         if self._lm_head is None or not self.layers:
-            return []
-        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp
-        return [attn._qkv, attn._o, mlp._gate_up, mlp._down, self._lm_head]
+            return []  # not fused yet
+        return [*self.layers[0].self_attn.kernels(), *self.layers[0].mlp.kernels(), self._lm_head]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings `[T, H]` (placeholder rows are overwritten by the caller)."""

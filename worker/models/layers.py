@@ -67,6 +67,10 @@ class MLP(nn.Module):
         self._gate_up = linear_kernel(self.gate_proj, self.up_proj)
         self._down = linear_kernel(self.down_proj)
 
+    def kernels(self) -> list[Linear]:
+        """Its GEMMs' kernels (none before `fuse`)."""
+        return [k for k in (self._gate_up, self._down) if k is not None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is None or self._down is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -90,6 +94,10 @@ class Attention(nn.Module):
         """q, k and v as one GEMM, and each GEMM's kernel (after the weights are loaded)."""
         self._qkv = linear_kernel(self.q_proj, self.k_proj, self.v_proj)
         self._o = linear_kernel(self.o_proj)
+
+    def kernels(self) -> list[Linear]:
+        """Its GEMMs' kernels (none before `fuse`)."""
+        return [k for k in (self._qkv, self._o) if k is not None]
 
     def forward(
         self,
