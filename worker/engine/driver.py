@@ -128,7 +128,7 @@ class EngineDriver:
         there are none left, or building failed (they are then built on first use)."""
         try:
             return next(warming, None) is not None
-        except Exception:  # noqa: BLE001 - a kernel that fails here fails its first step, which reports it
+        except Exception:  # a kernel that fails here fails its first step too, which reports it
             log.exception("building GEMM kernels ahead failed")
             return False
 
