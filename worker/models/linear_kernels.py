@@ -128,7 +128,7 @@ def warm(kernels: list[Linear], max_rows: int) -> Iterator[int]:
     keeps them per thread), a few ms of CPU each, so a caller can do it between other work.
     Kernels of one shape share theirs, so one of each shape is enough. It stops after a
     count whose GEMMs took over `WARM_STOP_S`: for a model that large a kernel's build is a
-    small part of its first step anyway (0.26 / 0.70 s of CPU for all 64 counts of this
+    small part of its first step anyway (0.29 / 0.70 s of CPU for all 64 counts of this
     project's tiny / small test models, 4-11 ms a count)."""
     onednn = [k for k in kernels if isinstance(k, OneDNNLinear)]
     if not onednn:
