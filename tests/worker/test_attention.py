@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from triptych.worker.attention import (
     AttentionGeometry,
@@ -15,6 +16,7 @@ from triptych.worker.attention import (
     build_metadata,
     cpu_decode,
     select_backend,
+    torch_backend,
 )
 from triptych.worker.attention.torch_backend import MAX_DECODE_GROUPS, decode_groups
 
@@ -134,6 +136,30 @@ def test_torch_attention_mixed_prefill_chunks_and_decodes(block_size: int, decod
     assert run.step([(0, 1), (1, 9), (2, 3)], backend).abs().max() < 1e-5  # decode + chunk + fresh
     assert run.step([(2, 1), (0, 1), (1, 1)], backend).abs().max() < 1e-5  # all decodes
     assert run.step([(1, 1), (2, 18), (0, 1)], backend).abs().max() < 1e-5  # chunk amid decodes
+
+
+def test_short_chunks_go_to_the_cpu_kernel_row_by_row_and_long_ones_to_sdpa(
+        decode_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks up to KERNEL_MAX_QUERY rows (a migrated decode's fed tokens, a short suffix)
+    are the kernel's rows, each query row seeing the cache up to its own position; longer
+    ones keep one SDPA each. Exact either way."""
+    sdpa = F.scaled_dot_product_attention
+    calls: list[int] = []
+
+    def counted(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(q.shape[-2])
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    run = _PagedRun(block_size=16, seed=5)
+    backend = TorchAttention()
+    longest = torch_backend.KERNEL_MAX_QUERY
+    assert run.step([(0, longest + 6), (1, 3), (2, longest)], backend).abs().max() < 1e-5
+    assert run.step([(0, 1), (1, 2), (2, longest + 1), (3, 1)], backend).abs().max() < 1e-5
+    if decode_path == "kernel":
+        assert calls == [longest + 6, longest + 1]  # only the chunks over the bound
+    else:  # no kernel: every chunk through SDPA (decodes too, where they are not kept)
+        assert {longest + 6, 3, longest, 2, longest + 1} <= set(calls)
 
 
 def test_torch_attention_batched_decode_of_unequal_lengths(decode_path: str) -> None:

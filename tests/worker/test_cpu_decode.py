@@ -97,7 +97,9 @@ def test_the_torch_backend_runs_fp32_and_bf16_cpu_decodes_through_the_kernel() -
     backend = TorchAttention()
     meta = build_metadata([1, 5, 1], [9, 5, 3], [[3], [1], [2]], block_size=16)
     backend.plan(meta, AttentionGeometry(4, 2, 16, torch.float32))
-    assert backend._paged is not None and backend._paged.rows.tolist() == [0, 6]  # the decodes' rows in q
+    # the decodes' rows in q, and the 5-token chunk's, each seeing the cache up to itself
+    assert backend._paged is not None and backend._paged.rows.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert backend._paged.lens.tolist() == [9, 1, 2, 3, 4, 5, 3] and backend._prefills == []
     assert backend._kept.layout is None and backend._decodes == []
     backend.plan(meta, AttentionGeometry(4, 2, 16, torch.bfloat16))
     assert backend._paged is not None

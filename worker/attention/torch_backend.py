@@ -9,7 +9,8 @@ length (`decode_groups`) rather than all padded to the longest. Prefill chunks r
 SDPA per sequence over that sequence's gathered context.
 
 On CPU with an fp32 or bf16 cache, decodes go to the C kernel of cpu_decode.py instead (each
-row's real keys read in place: no gather, no padding, no groups), where it builds.
+row's real keys read in place: no gather, no padding, no groups), where it builds, and so
+do chunks of up to `KERNEL_MAX_QUERY` tokens, one kernel row per query row.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ from .kept_context import KeptContext
 # against ~3 us per (row, key block of 16) gathered and attended.
 GROUP_COST_KEYS = 512
 MAX_DECODE_GROUPS = 4
+# Chunks of at most this many query rows go to the CPU kernel row by row (each row reads its
+# context once) rather than to one SDPA per sequence: a migrated decode's fed tokens, short
+# prompts, a short suffix after a prefix-cache hit. One thread, 16 decodes beside 8 chunks,
+# all layers (docs/internals.md): tiny model, chunks of 3 at 120 keys 13.0 -> 1.5 ms, of 64
+# 22.3 -> 11.1 ms; small model, fresh chunks of 64 61.1 -> 18.9 ms, of 128 114 -> 59 ms.
+KERNEL_MAX_QUERY = 64
 
 
 def decode_groups(kv_lens: list[int], block_size: int) -> list[list[int]]:
@@ -115,20 +122,14 @@ class TorchAttention:
         device = meta.slot_mapping.device
         self._geometry = geometry
         self._slots = slot_indices(meta)
+        self._paged = None
+        if kernel_serves(device, geometry.dtype, geometry.head_dim):
+            self._plan_kernel(meta, device)
+            return
         decode_rows = [i for i, n in enumerate(meta.query_lens) if n == 1]
         self._prefills = [
             self._plan_prefill(meta, i, device) for i, n in enumerate(meta.query_lens) if n != 1
         ]
-        self._paged = None
-        if decode_rows and kernel_serves(device, geometry.dtype, geometry.head_dim):
-            # The kernel reads each decode's keys where they sit: no groups, no padding, no
-            # kept copy (cpu_decode.py).
-            self._decodes = []
-            self._kept.reset()
-            starts = meta.cu_query_lens.tolist()
-            self._paged = PagedDecode([starts[i] for i in decode_rows], meta.block_tables[decode_rows],
-                                                 [meta.kv_lens_list[i] for i in decode_rows])
-            return
         groups = decode_groups([meta.kv_lens_list[i] for i in decode_rows], meta.block_size)
         self._decodes = [self._plan_decode(meta, [decode_rows[j] for j in g], device) for g in groups]
         # CPU only: there the gather is a large share of a decode step; on a GPU it is cheap,
@@ -143,6 +144,29 @@ class TorchAttention:
                 plan.mask = _length_mask(self._kept.slot_lens, plan.mask.shape[-1], device)
         else:
             self._kept.reset()
+
+    def _plan_kernel(self, meta: AttentionMetadata, device: torch.device) -> None:
+        """The CPU kernel takes every decode row, and each query row of a short chunk as a
+        row of its own (query j of a chunk sees the cache up to its own position: a row of
+        that length over the sequence's table), so no groups, padding or kept copy (cpu_decode.py).
+        Longer chunks keep one SDPA per sequence."""
+        self._decodes = []
+        self._kept.reset()
+        starts = meta.cu_query_lens.tolist()
+        rows: list[int] = []
+        seqs: list[int] = []
+        lens: list[int] = []
+        self._prefills = []
+        for i, n in enumerate(meta.query_lens):
+            if n > KERNEL_MAX_QUERY:
+                self._prefills.append(self._plan_prefill(meta, i, device))
+                continue
+            first = meta.kv_lens_list[i] - n + 1  # the first query row's keys, itself included
+            rows.extend(range(starts[i], starts[i] + n))
+            seqs.extend([i] * n)
+            lens.extend(range(first, first + n))
+        if rows:
+            self._paged = PagedDecode(rows, meta.block_tables[seqs], lens)
 
     @staticmethod
     def _plan_decode(meta: AttentionMetadata, rows: list[int], device: torch.device) -> _DecodePlan:
