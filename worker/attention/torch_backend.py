@@ -33,7 +33,7 @@ MAX_DECODE_GROUPS = 4
 # Chunks of at most this many query rows go to the CPU kernel row by row (each row reads its
 # context once) rather than to one SDPA per sequence: a migrated decode's fed tokens, short
 # prompts, a short suffix after a prefix-cache hit. One thread, 16 decodes beside 8 chunks,
-# all layers (docs/internals.md): tiny model, chunks of 3 at 120 keys 13.0 -> 1.5 ms, of 64
+# all layers (docs/benchmarks.md, 2026-12-02): tiny model, chunks of 3 at 120 keys 13.0 -> 1.5 ms, of 64
 # 22.3 -> 11.1 ms; small model, fresh chunks of 64 61.1 -> 18.9 ms, of 128 114 -> 59 ms.
 KERNEL_MAX_QUERY = 64
 
