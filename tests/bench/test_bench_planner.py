@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from triptych.bench.autoscale_shift import format_report, planner_args, shift_trace
+from triptych.bench.sim_calibration import request_cpu_s
 from triptych.bench.sim_validate import (
     Calibration,
     error_pct,
@@ -179,6 +180,9 @@ def test_simulate_validate_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert rows[0]["error_ttft_p50_s"] is not None
     # The simulator batched under the budgets the workers reported: the engine's defaults.
     assert rows[0]["instance_budgets"] == {"EPD": [DEFAULT_TOKEN_BUDGET, DEFAULT_IMAGE_BUDGET]}
+    # The instance's idle CPU, measured before the timed requests, was taken out of theirs.
+    calibration, = rows[0]["calibrations"]
+    assert set(calibration["idle_cores"]) == {"EPD"} and 0 <= calibration["idle_cores"]["EPD"] < 0.5
 
 
 @pytest.mark.slow
@@ -219,6 +223,14 @@ def test_ttft_overhead_goes_negative_when_request_work_would_delay_the_first_tok
     assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s > 1e-4
 
 
+def test_cpu_per_request_leaves_out_what_the_instances_burn_idle() -> None:
+    """15 lone requests over 10.5 s: an E that spent 0.27 s of CPU, 0.006 cores of it idle
+    (0.063 s), did 13.8 ms per request, not 18; background over the spent is never negative."""
+    got = request_cpu_s({"E": 0.27, "D": 0.05}, {"E": 0.006, "D": 0.01}, 10.5, 15)
+    assert got["E"] == pytest.approx((0.27 - 0.063) / 15) and got["D"] == 0.0
+    assert request_cpu_s({"EPD": 0.3}, {}, 10.0, 15) == {"EPD": pytest.approx(0.02)}  # none measured
+
+
 def test_calibrations_pool_into_medians_mean_cpu_and_every_spread() -> None:
     a = Calibration(0.04, 0.006, 0.008, 4, {"E": 0.01, "D": 0.02}, 20, [-0.002, 0.0, 0.003], [0.9, 1.0, 1.2])
     b = Calibration(0.05, 0.007, 0.009, 4, {"E": 0.03}, 20, [0.0, 0.05], [1.0, 1.5])
@@ -226,6 +238,7 @@ def test_calibrations_pool_into_medians_mean_cpu_and_every_spread() -> None:
     one = pooled([a, b, c])
     assert (one.ttft_s, one.tpot_s, one.burst_tpot_s) == (0.05, 0.007, 0.009)
     assert one.cpu_s == pytest.approx({"D": 0.03, "E": 0.02})
+    assert one.idle_cores == {"D": 0.0, "E": 0.0}  # none measured in these
     # one from each deployment in turn: a short trace still draws from every one of them
     assert one.ttft_noise_s == [-0.002, 0.0, 0.0, 0.0, 0.05, 0.003]
     assert one.noise()["tpot_noise"] == [0.9, 1.0, 1.0, 1.0, 1.5, 1.2]

@@ -16,9 +16,10 @@ workload on this machine (issue 11: TTFT and TPOT p50 / p90, error in %).
 The profile times the engine's steps alone; a served request also pays for HTTP hops
 (client -> router -> instances, SSE back), the worker's driver loop and streaming. With
 `--fit-overheads` (the default) these fixed costs are measured per topology from a lone
-request before the load (ten warm-ups, fifteen timed; no queueing): a cost per decoding request per step
+request before the load (thirty warm-ups, five idle seconds, fifteen timed; no queueing;
+`sim_calibration.py`): a cost per decoding request per step
 (`StepProfile.decode_token_overhead_s`) so the simulated TPOT of that request matches,
-busy time per request per instance type from the instances' CPU
+busy time per request per instance type from the instances' CPU, less what they burn idle
 (`SimConfig.request_work_s`), then a per-request TTFT overhead (`SimConfig.ttft_overhead_s`).
 With `--lone-noise` (the default) each simulated request then gets, in turn, one lone
 request's spread around their median (`SimConfig.ttft_noise_s`, `tpot_noise`): the
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import statistics
@@ -47,13 +47,12 @@ from typing import Any
 
 import httpx
 
-from triptych.bench.client import discover, send_request
 from triptych.bench.errors import BenchError
-from triptych.bench.idle_cpu import cpu_seconds
 from triptych.bench.loadgen import RunConfig, run_bench
 from triptych.bench.report import fmt, progress
+from triptych.bench.sim_calibration import Calibration, calibrate_requests, pooled
 from triptych.bench.stats import SLO
-from triptych.bench.trace import calibrate, timed, trace_bodies
+from triptych.bench.trace import timed
 from triptych.bench.workload import Workload
 from triptych.operator.planner.profile import StepProfile
 from triptych.operator.planner.simulator import SimConfig, simulate
@@ -98,74 +97,6 @@ def error_pct(sim: float | None, real: float | None) -> float | None:
     if sim is None or real is None or real <= 0:
         return None
     return 100.0 * (sim - real) / real
-
-
-@dataclass
-class Calibration:
-    """What a served request costs beyond the profile's steps, measured before the load."""
-
-    ttft_s: float  # median TTFT of a lone request
-    tpot_s: float  # its median TPOT
-    burst_tpot_s: float  # median TPOT of `burst` identical requests sent at once
-    burst: int
-    cpu_s: dict[str, float]  # CPU seconds per lone request, by instance type
-    template_tokens: int
-    ttft_noise_s: list[float] = field(default_factory=list)  # each timed lone TTFT less their median
-    tpot_noise: list[float] = field(default_factory=list)  # each timed lone TPOT over their median
-
-    def noise(self) -> dict[str, list[float]]:
-        """The lone requests' spread as `SimConfig` fields: what the environment adds to a
-        request that the simulator's deterministic steps do not (on a capped instance, where
-        in the quota's period its work falls; OS scheduling on shared cores)."""
-        return {"ttft_noise_s": self.ttft_noise_s, "tpot_noise": self.tpot_noise}
-
-
-async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str, list[int]],
-                             lone_timed: int = 15, burst: int = 4, burst_repeats: int = 3,
-                             pause_s: float = 0.5, warmups: int = 30) -> Calibration:
-    """Lone requests shaped like the trace's first (`warmups` untimed: a fresh deployment's
-    first requests are slower, 1E1P1D at 0.25 CPU: TTFT median 64 ms over its requests 2-10
-    against 43 ms over 11-30, another deployment 51 ms over 2-12 and 41 after; with ten
-    warm-ups the lone requests were slower than the same requests under load, and the
-    simulator over-predicted the loaded runs; then `lone_timed` timed; no
-    queueing): their median TTFT and TPOT and the CPU seconds the instances of each type
-    (`pids` by type) spent per request; then `burst_repeats` bursts of `burst` of them sent
-    at once, for the TPOT of a decode batch of `burst` (what splits the served path's cost
-    per token into a part per step, which a batch shares, and a part per request). Each
-    starts `pause_s` after the last ended: sent back to back, a request would meet its
-    predecessor's tail (the release of its hand-overs) on the instances and time that too,
-    which requests of a trace at a moderate rate do not."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), trust_env=False) as client:
-        model, ends = await discover(client, url, [], {})
-        scale = await calibrate(client, url, model, {})
-        lone = lone_timed + warmups
-        bodies = trace_bodies([trace[0]] * (lone + burst * burst_repeats), model, seed=99, scale=scale)
-        endpoint = f"{url}/v1/chat/completions"
-        ttfts, tpots = [], []
-        cpu0: dict[str, float] = {}
-        for i, body in enumerate(bodies[:lone]):
-            if i == warmups:
-                cpu0 = {name: sum(cpu_seconds(p) for p in ps) for name, ps in pids.items()}
-            await asyncio.sleep(pause_s)  # what the last request left (its hand-overs' release) is done
-            r = await send_request(client, endpoint, body, 120.0)
-            if not r.ok or r.ttft is None:
-                raise BenchError(f"lone request failed: {r.error}")
-            ttfts.append(r.ttft)
-            tpots.append(r.tpot or 0.0)
-        cpu = {name: (sum(cpu_seconds(p) for p in ps) - cpu0[name]) / lone_timed for name, ps in pids.items()}
-        burst_tpots = []
-        rest = bodies[lone:]
-        for k in range(burst_repeats):
-            await asyncio.sleep(pause_s)
-            results = await asyncio.gather(*(send_request(client, endpoint, b, 120.0)
-                                             for b in rest[k * burst:(k + 1) * burst]))
-            if not all(r.ok for r in results):
-                raise BenchError(f"burst request failed: {[r.error for r in results if not r.ok][0]}")
-            burst_tpots += [r.tpot for r in results if r.tpot is not None]
-    ttft, tpot = statistics.median(ttfts[warmups:]), statistics.median(tpots[warmups:])
-    return Calibration(ttft, tpot, statistics.median(burst_tpots) if burst_tpots else tpot, burst, cpu,
-                       scale.template_tokens, [t - ttft for t in ttfts[warmups:]],
-                       [t / tpot for t in tpots[warmups:]] if tpot > 0 else [])
 
 
 @dataclass
@@ -289,27 +220,6 @@ class MeasuredRun:
     budgets: dict[str, tuple[int, int]] = field(default_factory=dict)  # served_budgets
 
 
-def pooled(cals: list[Calibration]) -> Calibration:
-    """Several deployments' calibrations as one: the medians of their medians, the mean CPU
-    per request, every lone request's spread (around its own deployment's median), taken
-    from each deployment in turn."""
-    if len(cals) == 1:
-        return cals[0]
-    kinds = {k for c in cals for k in c.cpu_s}
-    return Calibration(
-        ttft_s=statistics.median(c.ttft_s for c in cals), tpot_s=statistics.median(c.tpot_s for c in cals),
-        burst_tpot_s=statistics.median(c.burst_tpot_s for c in cals), burst=cals[0].burst,
-        cpu_s={k: statistics.mean(c.cpu_s[k] for c in cals if k in c.cpu_s) for k in sorted(kinds)},
-        template_tokens=cals[0].template_tokens, ttft_noise_s=_interleaved([c.ttft_noise_s for c in cals]),
-        tpot_noise=_interleaved([c.tpot_noise for c in cals]))
-
-
-def _interleaved(lists: list[list[float]]) -> list[float]:
-    """One from each list in turn: a trace shorter than all of them together still draws
-    from every deployment's spread."""
-    return [x for group in itertools.zip_longest(*lists) for x in group if x is not None]
-
-
 def measured_cells(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One rate's reports from several deployments as one row's measured part: each metric's
     median over the runs, the runs' values, and how far apart they are (max - min over the
@@ -344,6 +254,7 @@ def measure_topology(spec: str, topology: dict[InstanceType, int], model_dir: Pa
         budgets = served_budgets(dep)
         cal = asyncio.run(calibrate_requests(dep.router_url, trace, pids, warmups=args.calibration_warmups))
         cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in cal.cpu_s.items())
+        cpu_text += " (less idle: " + ", ".join(f"{k} {v:.3f}" for k, v in cal.idle_cores.items()) + " cores)"
         progress(f"== {spec} (run {run + 1}): lone TTFT {cal.ttft_s * 1e3:.1f} ms, TPOT {cal.tpot_s * 1e3:.2f} ms, "
                  f"burst of {cal.burst} TPOT {cal.burst_tpot_s * 1e3:.2f} ms, instance CPU {cpu_text} ms, template "
                  f"{cal.template_tokens} tokens; lone TTFT {_span(cal.ttft_noise_s, 1e3, ' ms')} around the "
