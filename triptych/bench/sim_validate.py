@@ -253,10 +253,10 @@ def measure_topology(spec: str, topology: dict[InstanceType, int], model_dir: Pa
             pids.setdefault(w.name.split("-")[1], []).append(w.popen.pid)
         budgets = served_budgets(dep)
         cal = asyncio.run(calibrate_requests(dep.router_url, trace, pids, warmups=args.calibration_warmups))
-        cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in cal.cpu_s.items())
-        cpu_text += " (less idle: " + ", ".join(f"{k} {v:.3f}" for k, v in cal.idle_cores.items()) + " cores)"
+        cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in cal.cpu_s.items()) + " ms (less idle: " + \
+            ", ".join(f"{k} {v:.3f}" for k, v in cal.idle_cores.items()) + " cores)"
         progress(f"== {spec} (run {run + 1}): lone TTFT {cal.ttft_s * 1e3:.1f} ms, TPOT {cal.tpot_s * 1e3:.2f} ms, "
-                 f"burst of {cal.burst} TPOT {cal.burst_tpot_s * 1e3:.2f} ms, instance CPU {cpu_text} ms, template "
+                 f"burst of {cal.burst} TPOT {cal.burst_tpot_s * 1e3:.2f} ms, instance CPU {cpu_text}, template "
                  f"{cal.template_tokens} tokens; lone TTFT {_span(cal.ttft_noise_s, 1e3, ' ms')} around the "
                  f"median, TPOT x{_span(cal.tpot_noise)}")
         cfg = RunConfig(work=Workload(), slo=SLO(ttft_s=args.ttft_slo, tbt_s=args.tbt_slo), rates=list(args.rates),
