@@ -73,6 +73,7 @@ def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None 
                     await task
             if discovery is not None:
                 await discovery.stop()
+            await orchestrator.stages.aclose()
             await client.aclose()
 
     app.router.lifespan_context = lifespan
@@ -116,7 +117,8 @@ def cli_main(args: argparse.Namespace) -> int:
                               cache_affinity=not args.no_cache_affinity,
                               prefix_routing=not args.no_prefix_routing, prefix_weight=args.prefix_routing_weight,
                               prefix_min_tokens=args.prefix_routing_min_tokens,
-                              max_inflight=args.max_inflight_requests, max_instance_load=args.max_instance_load)
+                              max_inflight=args.max_inflight_requests, max_instance_load=args.max_instance_load,
+                              stage_channel=not args.no_stage_channel)
     check_bind(args.host, config, getattr(args, "allow_no_api_key", False))
     app = build(config, list(args.workers), chooser, orch, discovery=_discovery(args))
     run(app, args.host, args.port, config, getattr(args, "fd", None))

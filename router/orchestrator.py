@@ -76,7 +76,7 @@ class Orchestrator:
         self.affinity = AffinityIndex(self.config.affinity_entries)
         self.prefixes = PrefixIndex(self.config.prefix_entries)
         self.metrics = RoutingMetrics(metrics_registry, registry)
-        self.stages = StageClient(client, self.metrics)
+        self.stages = StageClient(client, self.metrics, channels=self.config.stage_channel)
         self.decoding = DecodeChain(registry, self.chooser, self.stages, self.metrics, self.config)
         self.inflight = 0
 

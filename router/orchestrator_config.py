@@ -45,6 +45,10 @@ class OrchestratorConfig:
     # events for the worker's event loop and the router to carry; stop strings, max_tokens
     # and migrations flush what is held.
     whole_interval: int = 16
+    # Runs on a worker send their events over the one event channel the router holds open
+    # to it (router/stage_channel.py), not each in its own response: a write a step for
+    # all of them. Off: a stream per run.
+    stage_channel: bool = True
 
 
 @dataclass

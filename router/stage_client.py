@@ -24,7 +24,11 @@ from triptych.router.backend import BackendError
 from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.routing_metrics import RoutingMetrics
+from triptych.router.stage_channel import Channel, ChannelPool
 from triptych.stage_protocol import (
+    CHANNEL_GONE,
+    CHANNEL_HEADER,
+    CHANNEL_PATH,
     ROUTER_KEEPALIVE_EXPIRY_S,
     STAGE_FRAME_TYPE,
     EncodedEvent,
@@ -65,9 +69,10 @@ class StageFailure(Exception):
 
 
 class StageClient:
-    def __init__(self, client: httpx.AsyncClient, metrics: RoutingMetrics) -> None:
+    def __init__(self, client: httpx.AsyncClient, metrics: RoutingMetrics, channels: bool = True) -> None:
         self.client = client
         self.metrics = metrics
+        self.channels = ChannelPool(client, enabled=channels)  # stage_channel.py
         self._tasks: set[asyncio.Task[None]] = set()  # background work (aborts, drains), held until done
 
     async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float,
@@ -76,8 +81,11 @@ class StageClient:
         """POST /internal/run and yield its events (never an `error` one: those raise).
         `read_timeout_s` bounds each silence on the stream. `waits` counts the time spent
         waiting on the worker (not the time the caller spends between events). A takeover
-        (router/takeover.py) posts to `path` a body streamed from `content` instead."""
+        (router/takeover.py) posts to `path` a body streamed from `content` instead.
+        A run goes on the instance's event channel where it has one (stage_channel.py)."""
         timeout = httpx.Timeout(connect=5.0, read=read_timeout_s, write=30.0, pool=5.0)
+        channel = await self.channels.get(inst.url) if content is None else None
+        tag = channel.subscribe() if channel is not None else None
         inst.inflight += 1
         label = "".join(s.value[0].upper() for s in sreq.stages)
         outcome = "error"
@@ -92,13 +100,26 @@ class StageClient:
         started = time.monotonic()
         resp: httpx.Response | None = None
         handed_off = False  # the rest of the answer is read (and the response closed) in the background
+        attached = False  # the run is streaming on the channel: stopping early cancels it there
+        headers = {"content-type": content_type}
+        if channel is not None:
+            headers[CHANNEL_HEADER] = f"{channel.cid} {tag}"
         try:
             waits.begin()
             waiting = True
-            request = self.client.build_request("POST", f"{inst.url}{path}", content=body,
-                                                headers={"content-type": content_type},
+            request = self.client.build_request("POST", f"{inst.url}{path}", content=body, headers=headers,
                                                 timeout=timeout, extensions={"trace": trace})
-            resp = await self.client.send(request, stream=True)
+            resp = await self.client.send(request, stream=channel is None)
+            if channel is not None and tag is not None and _channel_gone(resp):
+                # The worker dropped that channel just now (nothing ran): this run streams on
+                # its own, and the next one opens a new channel.
+                self.channels.forget(channel)
+                channel.unsubscribe(tag)
+                channel = tag = None
+                del headers[CHANNEL_HEADER]
+                request = self.client.build_request("POST", f"{inst.url}{path}", content=body, headers=headers,
+                                                    timeout=timeout, extensions={"trace": trace})
+                resp = await self.client.send(request, stream=True)
             self.metrics.hop_phase("headers", time.monotonic() - started)
             if resp.status_code >= 400:
                 text = (await resp.aread()).decode(errors="replace")
@@ -109,7 +130,11 @@ class StageClient:
                     raise BackendError(resp.status_code, _error_message(text), code=_error_code(text))
                 raise StageFailure(inst, f"{inst.url} answered {resp.status_code}: {text[:200]}",
                                    status=503 if resp.status_code in (429, 503) else 502)
-            lines = resp.aiter_lines()
+            if channel is not None and tag is not None:
+                attached = True
+                lines = channel.lines(tag, read_timeout_s)
+            else:
+                lines = resp.aiter_lines()
             try:
                 async for line in lines:
                     if line.strip():
@@ -125,7 +150,7 @@ class StageClient:
                         waits.begin()
                         waiting = True
             except GeneratorExit:
-                if outcome == "ok":
+                if outcome == "ok" and not attached:
                     # Read the end of the answer (the worker ends it right after the terminal
                     # event) so that the connection goes back to the pool — in the background:
                     # the request's next hop need not wait for the chunked stream's last bytes.
@@ -153,10 +178,23 @@ class StageClient:
         finally:
             if resp is not None and not handed_off:
                 await resp.aclose()
+            if channel is not None and tag is not None:
+                channel.unsubscribe(tag)
+                if attached and outcome != "ok":  # as a dropped stream would: the worker stops the run
+                    self._background(self._cancel(channel, tag))
             if waiting:
                 waits.end()
             inst.inflight -= 1
             self.metrics.hop(label, outcome, time.monotonic() - started)
+
+    async def _cancel(self, channel: Channel, tag: str, timeout_s: float = 5.0) -> None:
+        try:
+            await self.client.post(f"{channel.url}{CHANNEL_PATH}/{channel.cid}/cancel/{tag}", timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            log.debug("cancel of run %s on channel %s failed: %s", tag, channel.cid, exc)
+
+    async def aclose(self) -> None:
+        await self.channels.aclose()
 
     def abort_later(self, urls: Iterable[str], request_ids: Iterable[str], timeout_s: float) -> None:
         """`abort` in the background (a caller that goes on need not wait for a dead instance)."""
@@ -229,6 +267,11 @@ def _terminal(event: StageEvent) -> bool:
     if isinstance(event, FinishedEvent):
         return event.finish_reason != "abort"
     return isinstance(event, EncodedEvent | PrefilledEvent | MigratingEvent)
+
+
+def _channel_gone(resp: httpx.Response) -> bool:
+    """A run refused because its event channel is no longer open on the worker."""
+    return resp.status_code == 503 and _error_code(resp.text) == CHANNEL_GONE
 
 
 def _error_code(body: str) -> str | None:

@@ -145,6 +145,12 @@ def add_stream_interval(p: argparse.ArgumentParser) -> None:
                         "for the worker and the router; 1, the default: every token at once)")
 
 
+def add_no_stage_channel(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-stage-channel", action="store_true",
+                   help="a stream per stage run instead of one event channel per worker carrying all "
+                        "of its runs' events (router/stage_channel.py)")
+
+
 def add_compile_decode(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--compile-decode", action="store_true", help=help)
 

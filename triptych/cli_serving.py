@@ -22,6 +22,7 @@ from triptych.cli_args import (
     add_listen,
     add_max_model_len,
     add_model,
+    add_no_stage_channel,
     add_planner_slos,
     add_serving_dtype,
     add_slos,
@@ -135,6 +136,7 @@ def add_router(sub: argparse._SubParsersAction) -> None:
                    help="over this many requests in flight, new ones get 429 with Retry-After")
     p.add_argument("--max-instance-load", type=float, default=None,
                    help="429 when every instance of a request's first stage reports more queued work")
+    add_no_stage_channel(p)
     p.add_argument("--stage-timeout", type=float, default=60.0,
                    help="longest silence (s) allowed on a stage call before it counts as failed")
     p.add_argument("--max-images-per-request", type=int, default=None)
@@ -164,6 +166,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
                    "(docs/benchmarks.md)")
     add_cpu_binding(p)
     add_stream_interval(p)
+    add_no_stage_channel(p)
     p.add_argument("--autoscale", action="store_true", help="also run the planner (triptych autoscale)")
     p.add_argument("--planner-port", type=int, default=8090, help="with --autoscale: the planner's /metrics, /plan")
     p.add_argument("--autoscale-standby", type=int, default=0,

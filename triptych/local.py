@@ -403,6 +403,8 @@ def _router_passthrough(args: argparse.Namespace) -> list[str]:
         out += ["--api-key-file", str(args.api_key_file)]
     if getattr(args, "allow_no_api_key", False):
         out.append("--allow-no-api-key")
+    if getattr(args, "no_stage_channel", False):
+        out.append("--no-stage-channel")
     return out
 
 

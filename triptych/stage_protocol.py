@@ -13,6 +13,13 @@ Hand-overs follow HydraInfer §4.3 (pull-based migration): the instance that ran
 answers with a *handle* (agent metadata + block ids + lease id) instead of the data; the
 next instance allocates, READs the blocks over NIXL and notifies the source, which then
 frees them. Handles are opaque to the router: it only carries them along.
+
+A router sends the events of all its runs on one instance over one *event channel*
+(`POST /internal/channel?id=...`, held open): a run posted with CHANNEL_HEADER is answered
+at once, and its events follow on the channel as `<tag>\t<event>` lines (`channel_lines`).
+One write a step carries every stream's tokens, where a stream per run would take one
+each: on a CPU host each write is a syscall and a GIL hand-over the engine thread waits
+behind (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -37,6 +44,13 @@ Handle = dict[str, Any]  # a serialised transfer BlockHandle; opaque outside the
 # with an empty ReadError although the worker is healthy.
 ROUTER_KEEPALIVE_EXPIRY_S = 30.0
 WORKER_KEEPALIVE_TIMEOUT_S = 75
+
+CHANNEL_PATH = "/internal/channel"
+CHANNEL_HEADER = "x-triptych-channel"  # "<channel id> <tag>": answer now, send the events on that channel
+CHANNEL_GONE = "channel_gone"  # the error code of a run posted for a channel the instance no longer holds
+# A silent channel carries an empty line this often, so that either side sees a dead peer
+# (the router's read timeout on the channel is a few of these).
+CHANNEL_KEEPALIVE_S = 15.0
 
 
 class VideoOptions(BaseModel):
@@ -459,3 +473,18 @@ async def ndjson_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
                 yield line
     if pending.strip():
         yield pending
+
+
+def channel_lines(tag: bytes, chunk: bytes) -> list[bytes]:
+    """A run's NDJSON chunk as event-channel lines: each line prefixed with its run's tag.
+    An empty chunk is the run's end (the tag and a tab alone)."""
+    if not chunk:
+        return [tag + b"\t\n"]
+    return [tag + b"\t" + line + b"\n" for line in chunk.split(b"\n") if line]
+
+
+def split_channel_line(line: str) -> tuple[str, str] | None:
+    """(tag, event line) of an event-channel line; the event is empty at the run's end.
+    None for a keep-alive (an empty line)."""
+    tag, sep, event = line.partition("\t")
+    return (tag, event) if sep else None

@@ -4,7 +4,10 @@ and offers around it) is stage_run.py, statuses come from errors.py.
 
 Endpoints: `POST /internal/run` runs a contiguous run of a request's stages and streams
 NDJSON events back to the router; `POST /internal/takeover` runs a decode moving here
-mid-stream (pre-copy, then its hand-over; worker/takeover.py); `POST /internal/abort/{id}` (all need the internal token); `/admin/role`, `/admin/stats`, `/admin/timings` (the admin token; auth.py); `/health`, `/ready`,
+mid-stream (pre-copy, then its hand-over; worker/takeover.py); `POST /internal/channel` holds
+a router's event channel open, which runs posted with its header stream on instead
+(worker/stage_channel.py), and `POST /internal/channel/{id}/cancel/{tag}` stops one of them;
+`POST /internal/abort/{id}` (all need the internal token); `/admin/role`, `/admin/stats`, `/admin/timings` (the admin token; auth.py); `/health`, `/ready`,
 `/live`, `/metrics` (open, and free of secrets: no agent metadata, handles or leases).
 """
 
@@ -30,6 +33,9 @@ from starlette.requests import ClientDisconnect
 
 from triptych.listen_socket import adopt
 from triptych.stage_protocol import (
+    CHANNEL_GONE,
+    CHANNEL_HEADER,
+    CHANNEL_PATH,
     STAGE_FRAME_TYPE,
     WORKER_KEEPALIVE_TIMEOUT_S,
     FeedRequest,
@@ -50,6 +56,7 @@ from triptych.worker.instance import InstanceRuntime
 from triptych.worker.metrics import InstanceCollector
 from triptych.worker.migration import MigrationError
 from triptych.worker.settings import WorkerSettings, settings_from_args
+from triptych.worker.stage_channel import Channel, Channels
 from triptych.worker.stage_run import prepare, stream
 
 log = logging.getLogger("triptych.worker.server")
@@ -66,6 +73,7 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
 def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     """The worker app; `auth` guards /internal and /admin (WorkerAuth.open() for none)."""
     inst = InstanceRuntime(settings)
+    channels = Channels()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -80,6 +88,7 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
 
     app = FastAPI(title="triptych worker", lifespan=lifespan)
     app.state.instance = inst
+    app.state.channels = channels
     app.add_middleware(AuthMiddleware, auth=auth)
 
     @app.get("/live")
@@ -132,8 +141,27 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
             return _error(500, f"switching to {body.role} failed: {exc}")
         return JSONResponse({"role": inst.role, "status": inst.status, **report})
 
+    @app.post(CHANNEL_PATH)
+    async def channel(id: str) -> Response:
+        opened = channels.open(id)
+        if opened is None:
+            return _error(409, f"event channel {id!r} is already open")
+        return StreamingResponse(opened.body(), media_type="application/x-ndjson")
+
+    @app.post(CHANNEL_PATH + "/{cid}/cancel/{tag}")
+    async def channel_cancel(cid: str, tag: str) -> Response:
+        found = channels.get(cid)
+        return Response(status_code=204 if found is not None and found.cancel(tag) else 404)
+
     @app.post("/internal/run")
     async def run(http: HttpRequest) -> Response:
+        attach: tuple[Channel, str] | None = None
+        if header := http.headers.get(CHANNEL_HEADER):
+            cid, _, tag = header.partition(" ")
+            found = channels.get(cid)
+            if found is None or not tag:  # the router reopens its channel and retries the hop
+                return _error(503, f"no event channel {cid!r} open on this instance", CHANNEL_GONE)
+            attach = (found, tag)
         # A large body (several big images: tens of MB) is parsed off the event loop, which
         # would otherwise stall (and /health with it) for as long as copying it out takes.
         body = await http.body()
@@ -145,16 +173,23 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
             return _error(422, f"invalid stage request: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
         except StageFrameError as exc:
             return _error(422, f"invalid stage request frame: {exc}")
-        return await _start(sreq)
+        return await _start(sreq, attach)
 
-    async def _start(sreq: StageRequest) -> Response:
-        """Pull the run's inputs and stream its events (or refuse it)."""
+    async def _start(sreq: StageRequest, attach: tuple[Channel, str] | None = None) -> Response:
+        """Pull the run's inputs and stream its events, in the answer or on `attach`'s
+        channel under its tag (or refuse it)."""
         try:
             req, reserved = await prepare(inst, sreq)
         except _REFUSALS as exc:
             return _error(http_status(exc), str(exc), error_code(exc))
         run_stream = choices.stream if sreq.sampling.n > 1 else stream
-        return StreamingResponse(run_stream(inst, sreq, req, reserved), media_type="application/x-ndjson")
+        events = run_stream(inst, sreq, req, reserved)
+        if attach is None:
+            return StreamingResponse(events, media_type="application/x-ndjson")
+        # A channel that closed while the inputs were pulled drops the run's events; the
+        # run still ends (and frees what it holds) as a run with a vanished reader does.
+        attach[0].attach(attach[1], events)
+        return JSONResponse({"channel": attach[0].cid, "tag": attach[1]})
 
     @app.post("/internal/takeover")
     async def takeover_run(http: HttpRequest) -> Response:
@@ -204,5 +239,24 @@ def cli_main(args: argparse.Namespace) -> int:
     app = create_app(settings, auth)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=30, timeout_keep_alive=WORKER_KEEPALIVE_TIMEOUT_S)
-    DrainingServer(config, app.state.instance).run(sockets=[adopt(args.fd)] if args.fd is not None else None)
+    DrainingServer(config, _ClosingChannels(app.state.instance, app.state.channels)).run(sockets=[adopt(args.fd)] if args.fd is not None else None)
     return 0
+
+
+class _ClosingChannels:
+    """The instance as DrainingServer drains it, with the routers' event channels closed
+    once nothing is left to drain: open, each would hold uvicorn's shutdown for its grace."""
+
+    def __init__(self, inst: InstanceRuntime, channels: Channels) -> None:
+        self.inst = inst
+        self.channels = channels
+
+    def begin_drain(self) -> bool:
+        draining = self.inst.begin_drain()
+        if not draining:
+            self.channels.close_all()
+        return draining
+
+    async def drain(self) -> None:
+        await self.inst.drain()
+        self.channels.close_all()

@@ -18,6 +18,10 @@ decode continues from the KV source's first token, so the tokens a client sees p
 handles were carried. Every run and every abort id is recorded; `script()` queues what
 the next runs do instead of answering normally (see the step helpers below).
 
+`FakeCluster(..., channels=True)` fakes also hold the router's event channels open, with
+the worker's own channel code (worker/stage_channel.py): a run posted with the channel
+header streams there, and CRASH closes the run's channel (as a killed worker drops it).
+
 Like a worker, a fake refuses `/internal/*` without the cluster's internal token (the real
 worker/auth.py middleware), and the cluster's client is the router's `worker_client`, so
 a router call that drops the token fails the test.
@@ -46,6 +50,9 @@ from triptych.router.routing import Chooser
 from triptych.router.stage_client import worker_client
 from triptych.sampling_params import SamplingParams
 from triptych.stage_protocol import (
+    CHANNEL_GONE,
+    CHANNEL_HEADER,
+    CHANNEL_PATH,
     STAGE_FRAME_TYPE,
     EncodedEvent,
     EncodedItem,
@@ -61,6 +68,7 @@ from triptych.stage_protocol import (
 )
 from triptych.topology import InstanceType, Stage, parse_topology
 from triptych.worker.auth import AuthMiddleware, WorkerAuth
+from triptych.worker.stage_channel import Channel, Channels
 
 HANG = "hang"  # go silent, keeping the connection open (until the cluster closes, at most HANG_LIMIT_S)
 CRASH = "crash"  # drop the connection mid-stream, like a killed process
@@ -181,8 +189,11 @@ class Run:
 
 
 class FakeWorker:
-    def __init__(self, name: str, role: InstanceType, cluster: FakeCluster) -> None:
+    def __init__(self, name: str, role: InstanceType, cluster: FakeCluster, channels: bool = False) -> None:
         self.name = name
+        self.channels = Channels() if channels else None
+        self.channels_opened = 0
+        self.cancels: list[str] = []  # run tags the router cancelled on a channel
         self.role = role
         self.cluster = cluster
         self.url = ""
@@ -196,6 +207,7 @@ class FakeWorker:
         # and the status to answer one with instead of running it (None: run it).
         self.takeovers: list[tuple[StageRequest, bool]] = []
         self.takeover_status: int | None = None
+        self.takeovers_opened = 0  # takeover calls that reached this fake (before reading their body)
         self.app = self._build_app()
 
     def script(self, *scripts: Script) -> None:
@@ -250,6 +262,7 @@ class FakeWorker:
 
         @app.post("/internal/takeover")
         async def takeover(http: Request) -> Response:
+            self.takeovers_opened += 1
             lines = ndjson_lines(http.stream())
             first = StageRequest.model_validate_json(await anext(lines))
             try:
@@ -263,12 +276,38 @@ class FakeWorker:
                                     status_code=self.takeover_status)
             return respond(first.model_copy(update={"kv_source": tail}))
 
+        if self.channels is not None:
+            channels = self.channels
+
+            @app.post(CHANNEL_PATH)
+            async def channel(id: str) -> Response:
+                opened = channels.open(id)
+                assert opened is not None, "a router opened a channel id twice"
+                self.channels_opened += 1
+                return StreamingResponse(opened.body(), media_type="application/x-ndjson")
+
+            @app.post(CHANNEL_PATH + "/{cid}/cancel/{tag}")
+            async def cancel(cid: str, tag: str) -> Response:
+                self.cancels.append(tag)
+                found = channels.get(cid)
+                return Response(status_code=204 if found is not None and found.cancel(tag) else 404)
+
         @app.post("/internal/run")
         async def run(http: Request) -> Response:
             assert http.headers.get("content-type") == STAGE_FRAME_TYPE  # what a worker reads
-            return respond(decode_stage_request(await http.body()))
+            header = http.headers.get(CHANNEL_HEADER)
+            attach = None
+            if header is not None:
+                assert self.channels is not None, "a run posted for a channel this fake never offered"
+                cid, _, tag = header.partition(" ")
+                found = self.channels.get(cid)
+                if found is None:
+                    return JSONResponse({"error": {"message": "no such channel", "code": CHANNEL_GONE}},
+                                        status_code=503)
+                attach = (found, tag)
+            return respond(decode_stage_request(await http.body()), attach)
 
-        def respond(sreq: StageRequest) -> Response:
+        def respond(sreq: StageRequest, attach: tuple[Channel, str] | None = None) -> Response:
             script = self.scripts.popleft() if self.scripts else None
             self.runs.append(Run(sreq, scripted=script is not None))
             if sreq.request_id in self.running | self.parked:
@@ -281,11 +320,15 @@ class FakeWorker:
                 return JSONResponse({"error": {"message": f"{self.name} answers {steps}"}}, status_code=steps)
             if any(isinstance(s, _EVENTS) for s in steps):  # it got as far as pulling its inputs
                 self.cluster.pulled(sreq)
+            if attach is not None:
+                attach[0].attach(attach[1], self._stream(sreq.request_id, steps, attach[0]))
+                return JSONResponse({"channel": attach[0].cid, "tag": attach[1]})
             return StreamingResponse(self._stream(sreq.request_id, steps), media_type="application/x-ndjson")
 
         return app
 
-    async def _stream(self, request_id: str, steps: list[Step]) -> AsyncIterator[bytes]:
+    async def _stream(self, request_id: str, steps: list[Step], channel: Channel | None = None
+                      ) -> AsyncIterator[bytes]:
         self.running.add(request_id)
         try:
             for step in steps:
@@ -295,6 +338,9 @@ class FakeWorker:
                 if step == HANG:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.cluster.closing.wait(), timeout=HANG_LIMIT_S)
+                    return
+                if step == CRASH and channel is not None:
+                    channel.close()  # the whole channel goes, as with a killed worker
                     return
                 if step == CRASH:
                     raise ConnectionAbortedError(f"{self.name} crashed")  # uvicorn drops the connection
@@ -317,12 +363,12 @@ class FakeCluster:
     URLs sort in name order, so the round-robin choices of a test are known in advance
     (the chooser orders candidates by URL)."""
 
-    def __init__(self, topology: str) -> None:
+    def __init__(self, topology: str, channels: bool = False) -> None:
         self.workers: dict[str, FakeWorker] = {}
         for kind, count in parse_topology(topology).items():
             for i in range(count):
                 name = f"{kind.value.lower()}{i}"
-                self.workers[name] = FakeWorker(name, kind, self)
+                self.workers[name] = FakeWorker(name, kind, self, channels)
         self._servers: list[tuple[_Server, asyncio.Task]] = []
         self.client = worker_client(INTERNAL_TOKEN)
         self.registry = Registry([])
@@ -386,6 +432,9 @@ class FakeCluster:
 
     async def __aexit__(self, *exc: object) -> None:
         self.closing.set()
+        for worker in self.workers.values():
+            if worker.channels is not None:
+                worker.channels.close_all()
         await self.client.aclose()
         for server, _ in self._servers:
             server.should_exit = True

@@ -164,12 +164,14 @@ def precopy_then_migrate(precopy_at: int, migrate_at: int):
     return script
 
 
-def precopy_then_finish(precopy_at: int):
-    """A pre-copy is offered, but the decode ends at its source before the switch stops it."""
+def precopy_then_finish(precopy_at: int, opened: asyncio.Event | None = None):
+    """A pre-copy is offered, but the decode ends at its source before the switch stops it
+    (once `opened` is set, if given: the takeover has reached its target)."""
     def script(sreq, normal):
         pre = KVSource(handle={"agent": "d0", "precopy": True}, num_tokens=len(sreq.prompt_token_ids),
                        first_token=sreq.kv_source.first_token)
-        return [*normal[:precopy_at], PrecopyEvent(kv=pre), *normal[precopy_at:]]
+        gate = [opened] if opened is not None else []
+        return [*normal[:precopy_at], PrecopyEvent(kv=pre), *gate, *normal[precopy_at:]]
     return script
 
 
@@ -188,9 +190,18 @@ async def test_a_precopied_decode_goes_on_through_the_takeover_its_precopy_opene
 
 async def test_a_takeover_never_handed_over_is_closed():
     async with FakeCluster("1P2D") as cluster:
-        cluster["d0"].script(precopy_then_finish(2))
+        opened = asyncio.Event()
+
+        async def watch() -> None:  # d0 finishes once the takeover is open at d1
+            while not cluster["d1"].takeovers_opened:
+                await asyncio.sleep(0.005)
+            opened.set()
+
+        watcher = asyncio.create_task(watch())
+        cluster["d0"].script(precopy_then_finish(2, opened))
         tokens, finish = await collect(cluster.orchestrator(), request(max_tokens=6))
         assert tokens == expected_tokens(request(max_tokens=6)) and finish == "length"
+        await watcher
         for _ in range(200):
             if cluster["d1"].takeovers:
                 break
