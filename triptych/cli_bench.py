@@ -273,7 +273,8 @@ def _add_switch(bsub: argparse._SubParsersAction) -> None:
     add_output_len(w, 64, IGNORE_EOS_HELP)
     w.add_argument("--images", type=int, default=1, help="images per request")
     w.add_argument("--min-running", type=int, default=2,
-                   help="a D->X switch waits until the instance runs this many decodes")
+                   help="a D->X switch waits until the instance runs this many decodes (or its "
+                        "round-robin share of --concurrency, if fewer)")
     w.add_argument("--switch-after", type=float, default=0.3, help="seconds into the load before other switches")
     w.add_argument("--steady", type=float, default=0.05,
                    help="seconds a D->X switch waits after --min-running, for admissions to settle")

@@ -36,6 +36,9 @@ def test_wrong_scope_is_403(client: TestClient) -> None:
     assert client.get("/admin/stats", headers=bearer(INTERNAL)).status_code == 403
     assert client.post("/internal/abort/r1", headers=bearer(ADMIN)).status_code == 403
     assert client.post("/internal/run", json={}, headers=bearer(ADMIN)).status_code == 403
+    assert client.post("/internal/channel?id=c", headers=bearer(ADMIN)).status_code == 403
+    assert client.post("/internal/channel/c/cancel/0", headers=bearer(ADMIN)).status_code == 403
+    assert client.post("/internal/channel?id=c").status_code == 401
     assert client.get("/health").json()["role"] == "unassigned"
 
 

@@ -101,3 +101,18 @@ async def test_a_silent_channel_writes_keepalives():
     assert await asyncio.wait_for(anext(body), 1) == b"\n"
     assert split_channel_line("") is None  # what the router skips
     await body.aclose()
+
+
+def test_a_run_for_a_channel_the_worker_does_not_hold_is_refused_before_it_runs() -> None:
+    from fastapi.testclient import TestClient
+
+    from triptych.stage_protocol import CHANNEL_GONE, CHANNEL_HEADER
+    from triptych.worker.auth import WorkerAuth
+    from triptych.worker.server import create_app
+    from triptych.worker.settings import WorkerSettings
+
+    app = create_app(WorkerSettings(model="unused", instance_id="w-chan"), WorkerAuth.open())
+    with TestClient(app) as client:
+        r = client.post("/internal/run", json={}, headers={CHANNEL_HEADER: "nope 0"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == CHANNEL_GONE
+        assert client.post("/internal/channel/nope/cancel/0").status_code == 404

@@ -19,7 +19,8 @@ for the pull and the hop. `migrated gaps` is the maximum over the streams that m
 switched instance's `/admin/stats` `last_switch.migrated_ids` names them by request id (the
 router's X-Request-Id; a decode's later hops run as `<id>.dN`) — counting only the gaps that
 ended after the switch was asked for (a D->X switch is asked `--steady` seconds after the
-instance runs `--min-running` decodes, once their admissions settled); `others' gaps` the
+instance runs `--min-running` decodes — or its round-robin share of the streams, if that is
+fewer — once their admissions settled); `others' gaps` the
 same over the streams that did not move (what the switch cost everyone: on a shared CPU, the
 migration's work slows the other instances too; `--instance-cpus` gives each its own share),
 and `max added gaps` the maximum over every stream of the switch, whole streams. `hop gaps` is the migration's own
@@ -56,6 +57,7 @@ from triptych.bench.errors import BenchError
 from triptych.bench.report import fmt, progress
 from triptych.bench.stats import RequestResult
 from triptych.bench.workload import Workload, build_bodies
+from triptych.topology import InstanceType, Stage
 
 CYCLE = (("D", "P"), ("P", "D"), ("E", "D"), ("E", "E"))  # (instance picked by its first role, new role)
 
@@ -81,6 +83,15 @@ def _wait_decoding(client: httpx.Client, dep: Any, url: str, min_running: int, t
         if stats.get("num_running", 0) >= min_running:
             return
         time.sleep(0.005)
+
+
+def _share(client: httpx.Client, dep: Any, min_running: int, streams: int) -> int:
+    """The decodes to wait for on the instance about to switch: `min_running`, or fewer
+    where round-robin cannot give it that many (4 streams over 3 decode instances give
+    one of them a single decode, and a wait for two would sit out its whole timeout)."""
+    decoders = sum(1 for i in _instances(client, dep)
+                   if i["role"] in InstanceType.__members__ and InstanceType(i["role"]).runs(Stage.DECODE))
+    return max(1, min(min_running, streams // max(1, decoders)))
 
 
 def _arrivals(result: RequestResult) -> list[float]:
@@ -270,7 +281,7 @@ def _cycle(dep: Any, cfg: argparse.Namespace, model: str, loaded: bool) -> list[
 
             def during(i: dict[str, Any] = inst, r: str = role, asked: list[float] = switch_at) -> dict[str, Any]:
                 if loaded and _current_role(client, dep, i["instance_id"]) == "D":
-                    _wait_decoding(client, dep, i["url"], cfg.min_running)
+                    _wait_decoding(client, dep, i["url"], _share(client, dep, cfg.min_running, cfg.concurrency))
                     time.sleep(cfg.steady)
                 elif loaded:
                     time.sleep(cfg.switch_after)
