@@ -101,6 +101,7 @@ class StageClient:
         resp: httpx.Response | None = None
         handed_off = False  # the rest of the answer is read (and the response closed) in the background
         attached = False  # the run is streaming on the channel: stopping early cancels it there
+        ending = False  # its end is awaited on the channel in the background (`_end_on_channel`)
         headers = {"content-type": content_type}
         if channel is not None:
             headers[CHANNEL_HEADER] = f"{channel.cid} {tag}"
@@ -150,10 +151,16 @@ class StageClient:
                         waits.begin()
                         waiting = True
             except GeneratorExit:
-                if outcome == "ok" and not attached:
+                if outcome == "ok" and attached and channel is not None and tag is not None:
+                    # As below, on the channel: a run still going a moment after its terminal
+                    # event (a decode handed over live, whose reader cut over) is stopped.
+                    self._background(self._end_on_channel(channel, tag, lines))
+                    ending = True
+                elif outcome == "ok":
                     # Read the end of the answer (the worker ends it right after the terminal
                     # event) so that the connection goes back to the pool — in the background:
-                    # the request's next hop need not wait for the chunked stream's last bytes.
+                    # the request's next hop need not wait for the chunked stream's last bytes;
+                    # one still going then is dropped, which stops it.
                     self._background(_drain_and_close(resp, lines))
                     handed_off = True
                 raise
@@ -178,7 +185,7 @@ class StageClient:
         finally:
             if resp is not None and not handed_off:
                 await resp.aclose()
-            if channel is not None and tag is not None:
+            if channel is not None and tag is not None and not ending:
                 channel.unsubscribe(tag)
                 if attached and outcome != "ok":  # as a dropped stream would: the worker stops the run
                     self._background(self._cancel(channel, tag))
@@ -186,6 +193,22 @@ class StageClient:
                 waits.end()
             inst.inflight -= 1
             self.metrics.hop(label, outcome, time.monotonic() - started)
+
+    async def _end_on_channel(self, channel: Channel, tag: str, lines: AsyncIterator[str],
+                              timeout_s: float = 1.0) -> None:
+        """Wait (bounded) for the end of a run whose reader stopped at its terminal event;
+        cancel it on the worker if it does not end (what `_drain_and_close` does to a stream)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for _ in lines:
+                    pass
+            ended = True
+        except (TimeoutError, httpx.HTTPError):
+            ended = False
+        finally:
+            channel.unsubscribe(tag)
+        if not ended:
+            await self._cancel(channel, tag)
 
     async def _cancel(self, channel: Channel, tag: str, timeout_s: float = 5.0) -> None:
         try:

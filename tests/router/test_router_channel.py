@@ -11,6 +11,7 @@ import time
 
 import pytest
 from fakeworkers import (
+    HANG,
     FakeCluster,
     collect,
     crash_after,
@@ -119,3 +120,16 @@ async def test_a_channel_the_worker_no_longer_holds_is_retried_and_reopened():
             assert await collect(orch, request(name)) == (expected_tokens(request(name)), "length")
         assert [r.id for r in p0.runs] == ["warm", "b", "d"]  # no retry: "b" ran where it was sent
         assert p0.channels_opened == 2 and cluster.registry.instances[p0.url].ready
+
+
+async def test_a_run_still_going_after_its_terminal_event_is_stopped_on_the_worker():
+    """A hop's reader may stop at its terminal event (an encode's hand-over; a live
+    hand-over's source, which decodes on until the reader cuts over). On a channel, as on a
+    stream, a run that has not ended a moment later is stopped there, not left running."""
+    async with FakeCluster("1E1P1D", channels=True) as cluster:
+        cluster["e0"].script(lambda sreq, normal: [*normal, HANG])  # the hand-over, then open
+        orch = cluster.orchestrator()
+        req = request(images=("a",))
+        assert await collect(orch, req) == (expected_tokens(req), "length")
+        await _until(lambda: cluster["e0"].cancels == ["0"] and not cluster["e0"].running)
+        assert cluster["p0"].cancels == [] and cluster["d0"].cancels == []  # ended by themselves
