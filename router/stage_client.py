@@ -108,9 +108,11 @@ class StageClient:
         try:
             waits.begin()
             waiting = True
-            request = self.client.build_request("POST", f"{inst.url}{path}", content=body, headers=headers,
-                                                timeout=timeout, extensions={"trace": trace})
-            resp = await self.client.send(request, stream=channel is None)
+            def request() -> httpx.Request:
+                return self.client.build_request("POST", f"{inst.url}{path}", content=body, headers=headers,
+                                                 timeout=timeout, extensions={"trace": trace})
+
+            resp = await self.client.send(request(), stream=channel is None)
             if channel is not None and tag is not None and _channel_gone(resp):
                 # The worker dropped that channel just now (nothing ran): this run streams on
                 # its own, and the next one opens a new channel.
@@ -118,9 +120,7 @@ class StageClient:
                 channel.unsubscribe(tag)
                 channel = tag = None
                 del headers[CHANNEL_HEADER]
-                request = self.client.build_request("POST", f"{inst.url}{path}", content=body, headers=headers,
-                                                    timeout=timeout, extensions={"trace": trace})
-                resp = await self.client.send(request, stream=True)
+                resp = await self.client.send(request(), stream=True)
             self.metrics.hop_phase("headers", time.monotonic() - started)
             if resp.status_code >= 400:
                 text = (await resp.aread()).decode(errors="replace")
@@ -151,7 +151,7 @@ class StageClient:
                         waits.begin()
                         waiting = True
             except GeneratorExit:
-                if outcome == "ok" and attached and channel is not None and tag is not None:
+                if outcome == "ok" and channel is not None and tag is not None:  # attached: read it there
                     # As below, on the channel: a run still going a moment after its terminal
                     # event (a decode handed over live, whose reader cut over) is stopped.
                     self._background(self._end_on_channel(channel, tag, lines))

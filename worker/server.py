@@ -159,7 +159,7 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         if header := http.headers.get(CHANNEL_HEADER):
             cid, _, tag = header.partition(" ")
             found = channels.get(cid)
-            if found is None or not tag:  # the router reopens its channel and retries the hop
+            if found is None or not tag:  # the router sends this run as its own stream, then reopens
                 return _error(503, f"no event channel {cid!r} open on this instance", CHANNEL_GONE)
             attach = (found, tag)
         # A large body (several big images: tens of MB) is parsed off the event loop, which
