@@ -432,11 +432,16 @@ _ENCODER = msgspec.json.Encoder()
 _TOKENS_PREFIX = b'{"type":"tokens"'
 
 
+def encode_tokens_line(token_ids: list[int], index: int = 0) -> bytes:
+    """A `tokens` event with neither log-probs nor `start` as its NDJSON line."""
+    return _ENCODER.encode(_TokensWire(token_ids=token_ids, index=index)) + b"\n"
+
+
 def encode_stage_event(event: BaseModel) -> bytes:
     """One event as its NDJSON line (newline included)."""
     if isinstance(event, TokensEvent) and event.logprobs is None:
         if event.start is None:
-            return _ENCODER.encode(_TokensWire(token_ids=event.token_ids, index=event.index)) + b"\n"
+            return encode_tokens_line(event.token_ids, event.index)
         return _ENCODER.encode(_FedTokensWire(token_ids=event.token_ids, index=event.index, start=event.start)) + b"\n"
     return event.model_dump_json().encode() + b"\n"
 

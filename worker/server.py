@@ -182,8 +182,10 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
             req, reserved = await prepare(inst, sreq)
         except _REFUSALS as exc:
             return _error(http_status(exc), str(exc), error_code(exc))
-        run_stream = choices.stream if sreq.sampling.n > 1 else stream
-        events = run_stream(inst, sreq, req, reserved)
+        if sreq.sampling.n > 1:
+            events = choices.stream(inst, sreq, req, reserved)
+        else:
+            events = stream(inst, sreq, req, reserved, attach[0].writer(attach[1]) if attach else None)
         if attach is None:
             return StreamingResponse(events, media_type="application/x-ndjson")
         # A channel that closed while the inputs were pulled drops the run's events; the

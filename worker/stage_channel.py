@@ -5,6 +5,7 @@ instead of in its own response.
 Every run's chunk goes into the channel's buffer, and the channel's response writes what
 the buffer holds once per event-loop turn: the streams an engine step wakes together
 (worker/engine/driver.py hands a step's outputs over in one call) leave in one write.
+A run's plain token lines skip its pump: the step's callback writes them (`writer`).
 A run's end is an empty line of its tag. A channel that closes (the router went away, or
 this instance finished draining) cancels its runs, as a dropped per-run stream does.
 """
@@ -39,6 +40,12 @@ class Channel:
     def attach(self, tag: str, events: AsyncIterator[bytes]) -> None:
         """Stream a run's events (NDJSON chunks) on this channel under `tag`."""
         self._runs[tag] = asyncio.create_task(self._pump(tag, events))
+
+    def writer(self, tag: str) -> Callable[[bytes], None]:
+        """Writes a run's NDJSON chunk under `tag` from outside its pump (the engine's
+        per-step callback, worker/stage_run.py), in order with what the pump writes."""
+        key = tag.encode()
+        return lambda chunk: self._put(channel_lines(key, chunk))
 
     def cancel(self, tag: str) -> bool:
         """Stop a run (the router stopped reading it): its stream's cleanup aborts it."""

@@ -11,7 +11,7 @@ Failures are typed; `errors.http_status` decides their status.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -30,6 +30,7 @@ from triptych.stage_protocol import (
     TokenLogprob,
     TokensEvent,
     encode_stage_event,
+    encode_tokens_line,
 )
 from triptych.topology import Stage
 from triptych.worker.admission import decode_payload, vision_inputs
@@ -257,6 +258,11 @@ def _precopy(migration: MigrationService, sreq: StageRequest, engine: Any, allow
     return [PrecopyEvent(kv=migration.offer_precopy(sreq.request_id, held))]
 
 
+def _plain(out: RequestOutput) -> bool:
+    """Tokens and nothing else: no end, hand-off, pre-copy or log-probs."""
+    return not (out.finished or out.error or out.handoff is not None or out.precopy or out.logprobs)
+
+
 def _line(event: BaseModel) -> bytes:
     return encode_stage_event(event)
 
@@ -278,8 +284,12 @@ def merge_tokens(events: list[BaseModel]) -> list[BaseModel]:
     return merged
 
 
-async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserved: list[Any]) -> AsyncIterator[bytes]:
-    """The engine's outputs for `req` as NDJSON event lines; failures end it with an error event."""
+async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserved: list[Any],
+                 write: Callable[[bytes], None] | None = None) -> AsyncIterator[bytes]:
+    """The engine's outputs for `req` as NDJSON event lines; failures end it with an error
+    event. With `write` (the run's event channel), its plain token lines after the first
+    go there straight from the engine's per-step callback, ahead of anything still to come
+    here (worker/engine/driver.py's direct take)."""
     engine, migration = inst.engine, inst.migration
     assert engine is not None and migration is not None
     # Tokens sampled (and streamed) before this instance: P's first token, and a migrated
@@ -287,13 +297,30 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
     # join the request unseen by this stream.
     streamed = 1 + len(req.prefilled.generated) if req.prefilled is not None else 0
     awaiting_first = sreq.stages == [Stage.DECODE]  # a decode hop: its first token ends a takeover's hop
+    started = False  # the first batch went through here (it releases `reserved`)
+    live = True
+
+    def direct(outs: list[RequestOutput]) -> bool:
+        if not (live and started and write is not None) or awaiting_first:
+            return False
+        tokens: list[int] = []
+        for out in outs:
+            if not _plain(out) or out.num_output_tokens - len(out.new_token_ids) < streamed:
+                return False
+            tokens += out.new_token_ids
+        if tokens:
+            write(encode_tokens_line(tokens))
+        return True
+
     if awaiting_first:
         takeover.mark(inst, sreq.request_id, "admitted_at")
     inst.inflight += 1
     try:
         if req.feed is not None:  # a live takeover, its KV pulled: the router may cut over now
             yield _line(TokensEvent(token_ids=[], start=streamed))
-        async for batch in engine.generate_batches(req, timeout_s=sreq.timeout_s):
+        fast = direct if write is not None and req.feed is None else None
+        async for batch in engine.generate_batches(req, timeout_s=sreq.timeout_s, direct=fast):
+            started = True
             if reserved:  # the request now holds its own references to pulled embeddings
                 migration.release_embeddings(reserved)
                 reserved = []
@@ -312,6 +339,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
     except TimeoutError as exc:
         yield _line(ErrorEvent(status=http_status(exc), message=f"request exceeded {sreq.timeout_s}s"))
     finally:
+        live = False
         migration.release_embeddings(reserved)
         inst.inflight -= 1
         inst.feeds.pop(sreq.request_id, None)

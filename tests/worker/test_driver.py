@@ -266,3 +266,42 @@ async def test_held_tokens_go_out_once_the_oldest_waited_max_hold_s(monkeypatch:
         await asyncio.sleep(0.6)
         assert await _delivered(e, queue, [_tok("s", 13)]) == [11, 12, 13]
         assert await _delivered(e, queue, [_tok("s", 14)]) == []  # a new group starts
+
+
+async def test_a_direct_take_gets_a_steps_outputs_while_the_queue_is_empty_and_keeps_order(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # An event channel's run takes its plain tokens on the loop, without waking its task.
+    e = FakeEngine()
+    e.blocked = True
+    taken: list[list[int]] = []
+    fail = [False]
+
+    def direct(outs: list[RequestOutput]) -> bool:
+        if fail[0]:
+            raise RuntimeError("boom")
+        if any(o.finished for o in outs):
+            return False
+        taken.append([t for o in outs for t in o.new_token_ids])
+        return True
+
+    stream = e.driver.generate_batches(Request("d", [1]), timeout_s=5, direct=direct)
+    opened = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0.05)
+    queue = e.driver._sinks["d"].queue
+    try:
+        queue.put_nowait(_tok("d", 0))
+        assert [o.new_token_ids for o in await asyncio.wait_for(opened, 1)] == [[0]]
+        queue.put_nowait(_tok("d", 1))  # not yet read by the stream: what follows queues behind it
+        assert await _delivered(e, queue, [_tok("d", 2)]) == [1, 2] and taken == []
+        assert await _delivered(e, queue, [_tok("d", 3), _tok("e", 9)]) == [] and taken == [[3]]
+        assert await _delivered(e, queue, [_tok("d", 4, finished=True)]) == [4]  # refused: queued
+        fail[0] = True
+        with caplog.at_level(logging.ERROR, logger=driver_module.__name__):
+            assert await _delivered(e, queue, [_tok("d", 5)]) == [5]  # it raised: the stream gets it
+        fail[0] = False
+        assert await _delivered(e, queue, [_tok("d", 6)]) == [6] and taken == [[3]]  # and no more takes
+        assert "direct take failed" in caplog.text
+    finally:
+        opened.cancel()
+        await stream.aclose()
+        e.driver.stop(timeout_s=5)

@@ -12,7 +12,7 @@ import pytest
 from triptych.stage_protocol import KVSource, MMSource, StageRequest
 from triptych.topology import InstanceType
 from triptych.worker import stage_run
-from triptych.worker.engine.request import RequestValidationError
+from triptych.worker.engine.request import Request, RequestOutput, RequestValidationError
 from triptych.worker.errors import BadPayloadError, NotServingError, http_status
 from triptych.worker.instance import InstanceRuntime
 from triptych.worker.migration import PullFailedError
@@ -149,3 +149,50 @@ async def test_the_routers_stream_interval_reaches_the_engines_request() -> None
         assert req.stream_interval == asked
     with pytest.raises(ValueError, match="greater than or equal to 1"):
         stage_request(stream_interval=0)
+
+
+class _StepEngine:
+    """What `stage_run.stream` uses of an engine: `generate_batches` yields the batches the
+    test puts, and keeps the `direct` take it was given."""
+
+    def __init__(self) -> None:
+        self.role = InstanceType.EPD
+        self.batches: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
+        self.direct: Any = None
+
+    async def generate_batches(self, req: Any, timeout_s: Any = None, direct: Any = None):
+        self.direct = direct
+        while True:
+            batch = await self.batches.get()
+            yield batch
+            if batch[-1].finished:
+                return
+
+
+async def test_on_a_channel_plain_tokens_after_the_first_batch_are_written_by_the_step_callback() -> None:
+    from triptych.worker.stage_run import stream
+
+    for stages in (["prefill", "decode"], ["decode"]):  # a decode hop's first token ends its hop
+        engine, migration = _StepEngine(), FakeMigration(kv_fails=False)
+        inst = instance(InstanceType.EPD, migration)
+        inst.engine = engine  # type: ignore[assignment]
+        written: list[bytes] = []
+        sreq = stage_request(stages=stages)
+        run = stream(inst, sreq, Request("r1", [1, 2]), ["entry-h1"], write=written.append)
+        lines = asyncio.ensure_future(anext(run))
+        await asyncio.sleep(0)
+        assert engine.direct is not None and not engine.direct([RequestOutput("r1", [5], num_output_tokens=1)])
+        engine.batches.put_nowait([RequestOutput("r1", [5], num_output_tokens=1)])
+        assert b'"token_ids":[5]' in await asyncio.wait_for(lines, 1)  # the first batch: through the run
+        assert migration.released == ["entry-h1"]
+        assert engine.direct([RequestOutput("r1", [6], num_output_tokens=2), RequestOutput("r1", [7], num_output_tokens=3)])
+        assert written == [b'{"type":"tokens","token_ids":[6,7],"index":0}\n']
+        # Anything else goes through the run.
+        assert not engine.direct([RequestOutput("r1", [8], num_output_tokens=4, logprobs=[{"token_id": 8}])])
+        assert not engine.direct([RequestOutput("r1", [8], finished=True, num_output_tokens=4)])
+        engine.batches.put_nowait([RequestOutput("r1", [8], finished=True, num_output_tokens=4)])
+        assert b'"finished"' in await asyncio.wait_for(anext(run), 1)
+        with pytest.raises(StopAsyncIteration):
+            await anext(run)
+        assert not engine.direct([RequestOutput("r1", [9], num_output_tokens=5)])  # ended: nothing more
+        assert len(written) == 1, stages

@@ -9,7 +9,9 @@ idle starts at once. A stream waits on an asyncio queue that the thread fills wi
 every output of the step (not one per output: each call wakes the loop through its
 self-pipe and costs the engine thread Python work it holds the GIL for), and a stream
 takes everything queued for it at once (`generate_batches`): a stream that fell behind
-catches up in one write. While idle, the thread first builds the GEMM kernels of the
+catches up in one write. A stream may also take its plain token outputs on the loop,
+in the step's one callback, without waking its task (`direct`: the event channel's runs,
+worker/stage_run.py): with 32 streams that is one wake-up a step instead of 32. While idle, the thread first builds the GEMM kernels of the
 batch sizes to come (`Engine.warm_ups`, a size at a time between looks for work): oneDNN
 builds them per thread, on first use otherwise (worker/models/linear_kernels.py).
 """
@@ -20,7 +22,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -56,12 +58,24 @@ class _Sink:
     delivered: bool = False  # a token output went out: the first one (TTFT) is never held
     held: list[RequestOutput] = field(default_factory=list)
     held_since: float = 0.0  # time.monotonic() when the oldest held output was held
+    # Called on the loop with a step's outputs for this stream while its queue is empty;
+    # True when it took them (the stream never sees them), False to queue them as usual.
+    direct: Callable[[list[RequestOutput]], bool] | None = None
 
 
-def _deliver(items: list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]) -> None:
-    """Runs on the event loop: one step's outputs into their streams' queues."""
-    for queue, out in items:
-        queue.put_nowait(out)
+def _deliver(items: list[tuple[_Sink, list[RequestOutput]]]) -> None:
+    """Runs on the event loop: one step's outputs into their streams' queues, or taken
+    directly. Only while a queue is empty: a stream's outputs stay in order."""
+    for sink, outs in items:
+        if sink.direct is not None and sink.queue.empty():
+            try:
+                if sink.direct(outs):
+                    continue
+            except Exception:  # the stream sees them instead; its own handling decides
+                log.exception("a stream's direct take failed")
+                sink.direct = None
+        for out in outs:
+            sink.queue.put_nowait(out)
 
 
 class EngineDriver:
@@ -138,7 +152,7 @@ class EngineDriver:
         Under a stream interval N > 1, a stream's plain token outputs after its first go out
         N at a time; anything else (finished, an error, a hand-off, a pre-copy) takes what
         is held with it, in order."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[RequestOutput], RequestOutput]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, list[RequestOutput]]]] = {}
         with self._hold_lock:
             for out in outputs:
                 sink = self._sinks.get(out.request_id)
@@ -146,7 +160,7 @@ class EngineDriver:
                     continue
                 due = self._due(sink, out) if sink.interval > 1 else [out]
                 if due:
-                    by_loop.setdefault(sink.loop, []).extend((sink.queue, o) for o in due)
+                    by_loop.setdefault(sink.loop, []).append((sink, due))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
@@ -180,15 +194,19 @@ class EngineDriver:
                 for out in batch:
                     yield out
 
-    async def generate_batches(self, req: Request, timeout_s: float | None) -> AsyncIterator[list[RequestOutput]]:
+    async def generate_batches(self, req: Request, timeout_s: float | None,
+                               direct: Callable[[list[RequestOutput]], bool] | None = None,
+                               ) -> AsyncIterator[list[RequestOutput]]:
         """Like `generate`, but each item is every output queued for the request when the
-        stream looked (at least one; the last one of the last list is `finished`)."""
+        stream looked (at least one; the last one of the last list is `finished`). Outputs
+        that `direct` takes (on the loop, see `_Sink.direct`) are not among them."""
         if self._thread is None:
             self.start()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         # A takeover's target streams each token at once: its first one ends the hop.
-        sink = _Sink(loop, queue, 1 if req.feed is not None else req.stream_interval or self._interval)
+        sink = _Sink(loop, queue, 1 if req.feed is not None else req.stream_interval or self._interval,
+                     direct=direct)
         if self._sinks.setdefault(req.request_id, sink) is not sink:
             raise RequestValidationError(f"request id {req.request_id!r} is already in use")
         done = added = False

@@ -422,9 +422,12 @@ class Engine(PulledBlocks, PreCopy):
         once for bad input, TimeoutError when the request runs past `timeout_s`."""
         return self.driver.generate(req, timeout_s)
 
-    def generate_batches(self, req: Request, timeout_s: float | None = 600.0) -> AsyncIterator[list[RequestOutput]]:
-        """`generate`, with every output already queued for the request taken at once."""
-        return self.driver.generate_batches(req, timeout_s)
+    def generate_batches(self, req: Request, timeout_s: float | None = 600.0,
+                         direct: Callable[[list[RequestOutput]], bool] | None = None,
+                         ) -> AsyncIterator[list[RequestOutput]]:
+        """`generate`, with every output already queued for the request taken at once
+        (`direct`: see `EngineDriver.generate_batches`)."""
+        return self.driver.generate_batches(req, timeout_s, direct)
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
