@@ -5,12 +5,16 @@ are already queued, so a response that fell behind catches up in one chunk."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 
 from triptych.router.backend import TokenEvent
+
+# How long the backend may wait for the response to write its first event (`_first_written`).
+FIRST_WRITE_WAIT_S = 0.05
 
 
 class EventPump:
@@ -28,14 +32,21 @@ class EventPump:
     def __init__(self, events: AsyncIterator[Any], abort_timeout_s: float) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._abort_timeout_s = abort_timeout_s
-        self._task = asyncio.create_task(self._run(events))
         self._done = False
         self._head: Any = self._EMPTY
+        self._handed = False  # `next` handed out an event
+        self._asked_again = asyncio.Event()  # ... and was called again since
+        self._holding = False  # the task waits for the first event's write (`_first_written`)
+        self._task = asyncio.create_task(self._run(events))
 
     async def _run(self, events: AsyncIterator[Any]) -> None:
         try:
+            first = True
             async for event in events:
                 self._queue.put_nowait(event)
+                if first:
+                    first = False
+                    await self._first_written()
             self._queue.put_nowait(self._END)
         except asyncio.CancelledError:
             raise
@@ -45,6 +56,20 @@ class EventPump:
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+    async def _first_written(self) -> None:
+        """Let the response start and write the first event before the backend goes on
+        (bounded: FIRST_WRITE_WAIT_S). After a prefill's hand-over the backend dispatches
+        the decode hop next, a millisecond or two of work on this event loop; the response's
+        start (its headers, then the first chunk) would otherwise wait behind it, and TTFT
+        with it."""
+        self._holding = True
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FIRST_WRITE_WAIT_S):
+                    await self._asked_again.wait()
+        finally:
+            self._holding = False
 
     async def prime(self) -> None:
         """Wait for the first item without consuming it (raises the backend's exception)."""
@@ -75,6 +100,9 @@ class EventPump:
 
     async def next(self) -> Any | None:
         """The next event; None at the end; re-raises the backend's exception."""
+        if self._handed:  # the consumer is back for more: what it took was written
+            self._asked_again.set()
+        self._handed = True
         if self._done:
             return None
         if self._head is not self._EMPTY:
@@ -98,6 +126,12 @@ class EventPump:
         self._done = True
         if self._task.done():
             return
+        if self._holding:
+            # Held for the first write: back into the backend first, where a cancel reaches
+            # it (its aborts run on CancelledError; at a yield it would only see GeneratorExit).
+            self._asked_again.set()
+            with anyio.CancelScope(shield=True):
+                await asyncio.sleep(0)
         if grace_s > 0:
             with anyio.CancelScope(shield=True):
                 await asyncio.wait({self._task}, timeout=grace_s)
