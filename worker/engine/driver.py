@@ -12,8 +12,9 @@ takes everything queued for it at once (`generate_batches`): a stream that fell 
 catches up in one write. A stream may also take its plain token outputs on the loop,
 in the step's one callback, without waking its task (`direct`: the event channel's runs,
 worker/stage_run.py): with 32 streams that is one wake-up a step instead of 32. While
-idle, the thread first builds the GEMM kernels of the batch sizes to come (`Engine.warm_ups`, a size at a time between looks for work): oneDNN
-builds them per thread, on first use otherwise (worker/models/linear_kernels.py).
+idle, the thread first builds the GEMM kernels of the batch sizes to come
+(`Engine.warm_ups`, a size at a time between looks for work): oneDNN builds them per
+thread, on first use otherwise (worker/models/linear_kernels.py).
 """
 
 from __future__ import annotations
