@@ -21,6 +21,7 @@ import httpx
 from pydantic import ValidationError
 
 from triptych.router.backend import BackendError
+from triptych.router.feeds import FeedBatcher
 from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.routing_metrics import RoutingMetrics
@@ -73,6 +74,7 @@ class StageClient:
         self.client = client
         self.metrics = metrics
         self.channels = ChannelPool(client, enabled=channels)  # stage_channel.py
+        self.feeds = FeedBatcher(client)  # feeds.py: live takeovers' cut-overs
         self._tasks: set[asyncio.Task[None]] = set()  # background work (aborts, drains), held until done
 
     async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float,

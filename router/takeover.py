@@ -12,8 +12,8 @@ connection and a pull of the last, partial block(s) — not a new hop and all of
 
 A source that hands the decode over live (`MigratingEvent.live`: make-before-break) keeps
 decoding while the target pulls; `lead` cuts over (router/overlap.py): it sends the target
-the tokens the source streamed since the hand-over (`POST /internal/feed`), from which the
-target samples on.
+the tokens the source streamed since the hand-over (`POST /internal/feed`, with the other
+cut-overs due at that instance: router/feeds.py), from which the target samples on.
 
 A takeover that is never handed over (the decode finished at its source, the client went
 away, or the chosen instance no longer takes decodes) is closed: its connection drops and
@@ -27,16 +27,12 @@ import logging
 from collections import deque
 from collections.abc import AsyncIterator
 
-import httpx
-
 from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageClient, StageFailure
 from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent, StageRequest
 
 log = logging.getLogger("triptych.router.takeover")
-
-FEED_TIMEOUT_S = 2.0  # the cut-over's call; a target that did not take it is never cut over to
 
 END = object()  # what `events` ends at (also for `unread`)
 
@@ -53,7 +49,7 @@ class Takeover:
         self._tail_sent = False
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._queue_front: deque[object] = deque()  # put back by `unread`
-        self._client = stages.client
+        self._feeds = stages.feeds
         first = sreq.model_dump_json().encode() + b"\n"
         self._task = asyncio.create_task(self._run(stages, sreq, read_timeout_s, waits, first))
 
@@ -82,14 +78,8 @@ class Takeover:
         streamed since the hand-over (output indices from `start`), after which the target
         samples. False when the target did not take it (it cannot lead: the source must
         finish the decode)."""
-        body = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=True)
-        try:
-            resp = await self._client.post(f"{self.target.url}/internal/feed", content=body.model_dump_json(),
-                                           headers={"content-type": "application/json"}, timeout=FEED_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            log.info("lead of %s on %s failed: %s", self.request_id, self.target.url, exc)
-            return False
-        return resp.status_code == 204
+        feed = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=True)
+        return await self._feeds.send(self.target.url, feed)  # with the other cut-overs there (feeds.py)
 
     def close(self) -> None:
         """Drop the hop (unused, or its reader gone): the instance sees the connection end."""

@@ -346,7 +346,7 @@ class MigratingEvent(BaseModel):
 
 
 class FeedRequest(BaseModel):
-    """`POST /internal/feed`: output tokens a migrated decode's source sampled after its
+    """One feed of `POST /internal/feed` (`FeedBatch`): output tokens a migrated decode's source sampled after its
     live hand-over (`MigratingEvent.live`), for the decode's takeover on this instance to
     follow (worker/engine/token_feed.py). Keyed by output index: repeats are no-ops.
     `lead`: the router cut over (the source is closed): the decode samples once it holds
@@ -362,6 +362,22 @@ class FeedRequest(BaseModel):
         if not self.token_ids and not self.lead:
             raise ValueError("a feed carries tokens, or the lead")
         return self
+
+
+class FeedBatch(BaseModel):
+    """`POST /internal/feed`'s body: the feeds the router sends one instance at once
+    (router/feeds.py). The cut-overs of a switch come together — every decode moved off
+    one instance reaches the cut on the same source step — and an instance handles one
+    call for all of them where separate calls queue up behind its engine's steps."""
+
+    feeds: list[FeedRequest] = Field(min_length=1, max_length=1024)
+
+
+class FeedReply(BaseModel):
+    """`POST /internal/feed`'s answer: for each feed in order, whether a live takeover of
+    that id runs here and took it (one that did not can never be cut over to)."""
+
+    taken: list[bool]
 
 
 class HandOver(KVSource):

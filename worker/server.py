@@ -38,7 +38,8 @@ from triptych.stage_protocol import (
     CHANNEL_PATH,
     STAGE_FRAME_TYPE,
     WORKER_KEEPALIVE_TIMEOUT_S,
-    FeedRequest,
+    FeedBatch,
+    FeedReply,
     RoleSwitch,
     StageFrameError,
     StageRequest,
@@ -206,9 +207,14 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         return response
 
     @app.post("/internal/feed")
-    async def feed(body: FeedRequest) -> Response:
-        # Tokens a takeover's source sampled after a live hand-over (worker/takeover.py).
-        return Response(status_code=204 if takeover.feed(inst, body) else 404)
+    async def feed(http: HttpRequest) -> Response:
+        # Tokens takeovers' sources sampled after a live hand-over (worker/takeover.py).
+        try:
+            body = FeedBatch.model_validate_json(await http.body())
+        except ValidationError as exc:
+            return _error(422, f"invalid feeds: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
+        taken = [takeover.feed(inst, f, batch=len(body.feeds)) for f in body.feeds]
+        return Response(FeedReply(taken=taken).model_dump_json(), media_type="application/json")
 
     @app.post("/internal/abort/{request_id}")
     async def abort(request_id: str) -> dict[str, str]:

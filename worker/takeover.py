@@ -14,14 +14,14 @@ al., "Live Migration of Virtual Machines", NSDI '05 §3: pre-copy, then stop-and
 A source that hands the decode over live (make-before-break, `MigratingEvent.live`, the
 hand-over's `live`) goes on decoding meanwhile; the decode here follows (samples nothing)
 until the router cuts over with the tokens the source streamed since (`POST
-/internal/feed`, `feed`; worker/engine/token_feed.py).
+/internal/feed`, `feed`, one call for the cut-overs due here together; worker/engine/token_feed.py).
 
 Nothing is held between the two: pre-copied blocks sit unreferenced in the prefix cache
 (evictable), so a hand-over that never comes leaks nothing.
 
 Each takeover's moments (wall clock: opened, pre-copied, handed over, admitted to the engine
-with its KV pulled, led — a live one's cut-over, with the output index it samples from —,
-first token out) are kept for the last `TAKEOVER_RECORDS` in
+with its KV pulled, led — a live one's cut-over, with the output index it samples from and
+the feeds its call brought —, first token out) are kept for the last `TAKEOVER_RECORDS` in
 `/admin/stats` `recent_takeovers`; `bench switch` lines them up with the source's park and
 the client's tokens (where a hop's time goes).
 """
@@ -72,7 +72,7 @@ async def receive(inst: InstanceRuntime, lines: AsyncIterator[bytes]) -> StageRe
 async def _receive(inst: InstanceRuntime, sreq: StageRequest, lines: AsyncIterator[bytes]) -> StageRequest:
     moments = {"request_id": sreq.request_id, "opened_at": time.time(), "precopied_at": None,
                "handed_over_at": None, "admitted_at": None, "first_token_at": None, "fed_tokens": 0,
-               "feeds": 0, "led_at": None, "lead_index": None}
+               "feeds": 0, "led_at": None, "lead_index": None, "lead_batch": None}
     inst.takeovers.append(moments)
     await _precopy(inst, sreq, sreq.kv_source)
     moments["precopied_at"] = time.time()
@@ -89,10 +89,11 @@ async def _receive(inst: InstanceRuntime, sreq: StageRequest, lines: AsyncIterat
     return sreq.model_copy(update={"kv_source": KVSource.model_validate(tail.model_dump(exclude={"live"}))})
 
 
-def feed(inst: InstanceRuntime, body: FeedRequest) -> bool:
+def feed(inst: InstanceRuntime, body: FeedRequest, batch: int = 1) -> bool:
     """Tokens the source of a live takeover here streamed after its hand-over (with `lead`,
     the cut-over): the decode takes them at its next step. False when no live takeover of
-    that id runs here (it ended, or was no live one)."""
+    that id runs here (it ended, or was no live one). `batch`: the feeds in the call that
+    brought it (router/feeds.py), kept with a lead."""
     token_feed = inst.feeds.get(body.request_id)
     if token_feed is None:
         return False
@@ -103,6 +104,7 @@ def feed(inst: InstanceRuntime, body: FeedRequest) -> bool:
         moments["feeds"] += 1  # calls it took (the lead is one)
         if body.lead:  # the cut-over: the stream's tokens from this index on are ours
             moments["led_at"], moments["lead_index"] = time.time(), body.start + len(body.token_ids)
+            moments["lead_batch"] = batch
     if inst.engine is not None:
         inst.engine.driver.wake()
     return True

@@ -189,6 +189,8 @@ def test_d_to_p_and_back_under_load_migrates_decodes_exactly(epd4) -> None:
         m = moments[moved.split(".")[0]]
         assert m["opened_at"] <= m["precopied_at"] <= m["handed_over_at"] <= m["admitted_at"] <= m["first_token_at"], m
         assert last["parked_at"] <= m["handed_over_at"], (last, m)
+    # Moved live, they were cut over to (the feed call took each lead), not left to finish at the source.
+    assert any(moments[m.split(".")[0]]["lead_index"] is not None for m in last["migrated_ids"]), moments
     time.sleep(1.5)  # the router sees the new role at its next poll
     cases = _cases(8, seed_base=3200)
     results, report = asyncio.run(_run_while(model, dep, cases, lambda: _switch(dep, d["instance_id"], "D")))

@@ -39,6 +39,9 @@ def test_wrong_scope_is_403(client: TestClient) -> None:
     assert client.post("/internal/channel?id=c", headers=bearer(ADMIN)).status_code == 403
     assert client.post("/internal/channel/c/cancel/0", headers=bearer(ADMIN)).status_code == 403
     assert client.post("/internal/channel?id=c").status_code == 401
+    feeds = {"feeds": [{"request_id": "r1", "start": 2, "token_ids": [5], "lead": True}]}
+    assert client.post("/internal/feed", json=feeds, headers=bearer(ADMIN)).status_code == 403
+    assert client.post("/internal/feed", json=feeds).status_code == 401
     assert client.get("/health").json()["role"] == "unassigned"
 
 
@@ -57,6 +60,18 @@ def test_right_scope_gets_through(client: TestClient) -> None:
     # Unassigned: the stage run is refused by the instance (503), not by auth.
     sreq = {"request_id": "r1", "stages": ["prefill"], "prompt_token_ids": [1]}
     assert client.post("/internal/run", json=sreq, headers=bearer(INTERNAL)).status_code == 503
+
+
+def test_feeds_get_an_answer_each_and_a_bad_batch_a_422(client: TestClient) -> None:
+    """`POST /internal/feed` (router/feeds.py's batches): one answer per feed, in order; no
+    live takeover runs here, so none is taken. An empty or malformed batch is refused."""
+    feeds = {"feeds": [{"request_id": "r1", "start": 2, "token_ids": [5], "lead": True},
+                       {"request_id": "r2", "start": 0, "token_ids": [6, 7]}]}
+    r = client.post("/internal/feed", json=feeds, headers=bearer(INTERNAL))
+    assert r.status_code == 200 and r.json() == {"taken": [False, False]}
+    for bad in ({"feeds": []}, {"feeds": [{"request_id": "r1", "start": 0}]}, {"request_id": "r1", "start": 0}):
+        r = client.post("/internal/feed", json=bad, headers=bearer(INTERNAL))
+        assert r.status_code == 422 and r.json()["error"]["message"].startswith("invalid feeds"), (bad, r.text)
 
 
 def test_open_endpoints_need_no_token_and_leak_no_secret(client: TestClient) -> None:

@@ -375,11 +375,13 @@ def test_a_feed_reaches_only_a_live_takeover_and_is_recorded_in_its_moments() ->
     """`POST /internal/feed`'s handler (worker/takeover.feed): tokens for a live takeover here
     go to its feed; its `recent_takeovers` record counts them and the calls, and the lead says
     from which output index the stream is this instance's."""
-    moments = {"request_id": "r.t1", "fed_tokens": 0, "feeds": 0, "led_at": None, "lead_index": None}
+    moments = {"request_id": "r.t1", "fed_tokens": 0, "feeds": 0, "led_at": None, "lead_index": None,
+               "lead_batch": None}
     inst = SimpleNamespace(feeds={"r.t1": TokenFeed()}, takeovers=[moments], engine=None)
     assert not takeover.feed(inst, FeedRequest(request_id="other", start=5, token_ids=[1]))
     assert takeover.feed(inst, FeedRequest(request_id="r.t1", start=5, token_ids=[50, 51]))
-    assert takeover.feed(inst, FeedRequest(request_id="r.t1", start=7, token_ids=[52], lead=True))
+    assert moments["lead_batch"] is None  # no lead yet
+    assert takeover.feed(inst, FeedRequest(request_id="r.t1", start=7, token_ids=[52], lead=True), batch=3)
     assert inst.feeds["r.t1"].take([0, 1, 2, 3, 4]) == [50, 51, 52] and inst.feeds["r.t1"].lead_at == 8
     assert moments["fed_tokens"] == 3 and moments["feeds"] == 2 and moments["lead_index"] == 8
-    assert moments["led_at"] is not None
+    assert moments["led_at"] is not None and moments["lead_batch"] == 3  # its call brought 3 feeds
