@@ -19,6 +19,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Gauge
 
+from triptych import heap
 from triptych.router.admin import add_admin_routes
 from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
@@ -63,6 +64,7 @@ def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None 
             tasks.append(asyncio.create_task(_follow(discovery, registry, stop)))
         await registry.refresh(client)
         tasks.append(asyncio.create_task(registry.run(client, stop)))
+        heap.settle()  # what start-up made lives on: out of every later full collection
         try:
             async with inner(app_):
                 yield
