@@ -19,7 +19,6 @@ from pathlib import Path
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, Gauge
 
-from triptych import heap
 from triptych.router.admin import add_admin_routes
 from triptych.router.api import create_app
 from triptych.router.config import RouterConfig
@@ -64,7 +63,6 @@ def build(config: RouterConfig, worker_urls: list[str], chooser: Chooser | None 
             tasks.append(asyncio.create_task(_follow(discovery, registry, stop)))
         await registry.refresh(client)
         tasks.append(asyncio.create_task(registry.run(client, stop)))
-        heap.settle()  # what start-up made lives on: out of every later full collection
         try:
             async with inner(app_):
                 yield

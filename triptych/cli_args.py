@@ -10,8 +10,6 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 
-from triptych.heap import collector_off
-
 MODEL_HELP = "checkpoint directory, or 'tiny'"
 GPUS = ("H100", "H200", "A100", "L40S")  # the roofline profiles a --gpu stand-in knows
 LOOPBACK = "127.0.0.1"
@@ -97,9 +95,7 @@ def lazy(target: str) -> Callable[[argparse.Namespace], int | None]:
     module_name, func_name = target.split(":")
 
     def run(args: argparse.Namespace) -> int | None:
-        with collector_off():  # torch's and transformers' imports: heap.py
-            func = getattr(importlib.import_module(module_name), func_name)
-        return func(args)
+        return getattr(importlib.import_module(module_name), func_name)(args)
 
     return run
 

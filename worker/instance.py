@@ -11,7 +11,6 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from triptych import heap
 from triptych.topology import UNASSIGNED, InstanceType, Stage
 from triptych.worker.admission import DecodePool
 from triptych.worker.engine.engine import Engine, EngineConfig
@@ -180,7 +179,6 @@ class InstanceRuntime:
                 self.loading = False
             self.engine, self.transfer, self.migration = built
             self.migration.start()
-            heap.settle()  # the model and what loading it made live on (triptych/heap.py)
         self.role = role
         log.info("instance %s now serves role %s", self.settings.instance_id, role)
         return _report(0.0, drained - started, time.monotonic() - drained, 0, 0)
