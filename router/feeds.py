@@ -17,13 +17,12 @@ import logging
 import httpx
 from pydantic import ValidationError
 
-from triptych.stage_protocol import FeedBatch, FeedReply, FeedRequest
+from triptych.stage_protocol import MAX_FEEDS, FeedBatch, FeedReply, FeedRequest
 
 log = logging.getLogger("triptych.router.feeds")
 
 FEED_TIMEOUT_S = 2.0  # a target that did not take its feed in this is never cut over to
 FEED_BATCH_WINDOW_S = 0.001  # how long a first feed waits for others to the same instance
-MAX_FEEDS = 1024  # per call (`FeedBatch`)
 
 
 class FeedBatcher:

@@ -23,7 +23,6 @@ the instance lets go (pre-copied blocks sit evictable in its prefix cache; nothi
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -31,8 +30,6 @@ from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageClient, StageFailure
 from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent, StageRequest
-
-log = logging.getLogger("triptych.router.takeover")
 
 END = object()  # what `events` ends at (also for `unread`)
 

@@ -346,8 +346,8 @@ class MigratingEvent(BaseModel):
 
 
 class FeedRequest(BaseModel):
-    """One feed of `POST /internal/feed` (`FeedBatch`): output tokens a migrated decode's source sampled after its
-    live hand-over (`MigratingEvent.live`), for the decode's takeover on this instance to
+    """One feed of `POST /internal/feed` (`FeedBatch`): output tokens a migrated decode's
+    source sampled after its live hand-over (`MigratingEvent.live`), for the decode's takeover on this instance to
     follow (worker/engine/token_feed.py). Keyed by output index: repeats are no-ops.
     `lead`: the router cut over (the source is closed): the decode samples once it holds
     start + len(token_ids) tokens."""
@@ -364,13 +364,16 @@ class FeedRequest(BaseModel):
         return self
 
 
+MAX_FEEDS = 1024  # per `POST /internal/feed`
+
+
 class FeedBatch(BaseModel):
     """`POST /internal/feed`'s body: the feeds the router sends one instance at once
     (router/feeds.py). The cut-overs of a switch come together — every decode moved off
     one instance reaches the cut on the same source step — and an instance handles one
     call for all of them where separate calls queue up behind its engine's steps."""
 
-    feeds: list[FeedRequest] = Field(min_length=1, max_length=1024)
+    feeds: list[FeedRequest] = Field(min_length=1, max_length=MAX_FEEDS)
 
 
 class FeedReply(BaseModel):

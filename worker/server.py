@@ -71,6 +71,11 @@ def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": code or status}}, status_code=status)
 
 
+def _invalid(what: str, exc: ValidationError) -> JSONResponse:
+    """A body that does not parse as `what`: 422, with its first error."""
+    return _error(422, f"invalid {what}: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
+
+
 def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
     """The worker app; `auth` guards /internal and /admin (WorkerAuth.open() for none)."""
     inst = InstanceRuntime(settings)
@@ -171,7 +176,7 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         try:
             sreq = parse(body) if len(body) < _PARSE_INLINE_BYTES else await asyncio.to_thread(parse, body)
         except ValidationError as exc:
-            return _error(422, f"invalid stage request: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
+            return _invalid("stage request", exc)
         except StageFrameError as exc:
             return _error(422, f"invalid stage request frame: {exc}")
         return await _start(sreq, attach)
@@ -212,7 +217,7 @@ def create_app(settings: WorkerSettings, auth: WorkerAuth) -> FastAPI:
         try:
             body = FeedBatch.model_validate_json(await http.body())
         except ValidationError as exc:
-            return _error(422, f"invalid feeds: {exc.error_count()} error(s): {exc.errors()[0]['msg']}")
+            return _invalid("feeds", exc)
         taken = [takeover.feed(inst, f, batch=len(body.feeds)) for f in body.feeds]
         return Response(FeedReply(taken=taken).model_dump_json(), media_type="application/json")
 

@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from triptych.router.feeds import MAX_FEEDS, FeedBatcher
-from triptych.stage_protocol import FeedBatch, FeedRequest
+from triptych.router.feeds import FeedBatcher
+from triptych.stage_protocol import MAX_FEEDS, FeedBatch, FeedRequest
 
 A, B = "http://a:1", "http://b:2"
 
