@@ -4,6 +4,7 @@ tiny smoke run of each against local deployments."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
@@ -239,6 +240,9 @@ def test_calibrations_pool_into_medians_mean_cpu_and_every_spread() -> None:
     assert (one.ttft_s, one.tpot_s, one.burst_tpot_s) == (0.05, 0.007, 0.009)
     assert one.cpu_s == pytest.approx({"D": 0.03, "E": 0.02})
     assert one.idle_cores == {"D": 0.0, "E": 0.0}  # none measured in these
+    assert one.burst_ttft_s is None  # none measured either
+    timed = pooled([dataclasses.replace(a, burst_ttft_s=0.2), b, dataclasses.replace(c, burst_ttft_s=0.4)])
+    assert timed.burst_ttft_s == pytest.approx(0.3)  # the median of those measured
     # one from each deployment in turn: a short trace still draws from every one of them
     assert one.ttft_noise_s == [-0.002, 0.0, 0.0, 0.0, 0.05, 0.003]
     assert one.noise()["tpot_noise"] == [0.9, 1.0, 1.0, 1.0, 1.5, 1.2]
@@ -272,8 +276,8 @@ def test_two_deployments_are_simulated_from_their_pooled_calibration(monkeypatch
     deployment's own calibration kept in the report (to refit offline)."""
     import triptych.bench.sim_validate as sv
 
-    fast = Calibration(0.08, 0.006, 0.0075, 4, {"EPD": 0.03}, 20, [0.0], [1.0])
-    slow = Calibration(0.12, 0.009, 0.01125, 4, {"EPD": 0.045}, 20, [0.0], [1.0])
+    fast = Calibration(0.08, 0.006, 0.0075, 4, {"EPD": 0.03}, 20, [0.0], [1.0], burst_ttft_s=0.2)
+    slow = Calibration(0.12, 0.009, 0.01125, 4, {"EPD": 0.045}, 20, [0.0], [1.0], burst_ttft_s=0.3)
 
     def report(c: Calibration) -> dict[str, object]:
         return {"completed": 3, "num_requests": 3, "ttft_p50_s": c.ttft_s, "ttft_p90_s": c.ttft_s,
@@ -295,6 +299,9 @@ def test_two_deployments_are_simulated_from_their_pooled_calibration(monkeypatch
     assert [c["tpot_s"] for c in row["calibrations"]] == [0.006, 0.009] and row["load_avg_1m"] == 0.7
     assert Calibration(**row["calibrations"][1]) == slow
     assert row["instance_budgets"] == served  # the simulator batched as the deployments did
+    # The burst beside the simulator's: four taken on at once wait longer than one.
+    assert row["burst_ttft_s"] == pytest.approx(0.25)
+    assert row["simulated_burst_ttft_s"] > row["simulated_ttft_p50_s"]
 
 
 def test_the_simulated_instances_take_the_budgets_they_are_given_per_type() -> None:

@@ -33,6 +33,7 @@ class Calibration:
     ttft_noise_s: list[float] = field(default_factory=list)  # each timed lone TTFT less their median
     tpot_noise: list[float] = field(default_factory=list)  # each timed lone TPOT over their median
     idle_cores: dict[str, float] = field(default_factory=dict)  # by type: CPU burnt with no request (taken out of cpu_s)
+    burst_ttft_s: float | None = None  # median TTFT of the burst's requests
 
     def noise(self) -> dict[str, list[float]]:
         """The lone requests' spread as `SimConfig` fields: what the environment adds to a
@@ -91,7 +92,7 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
             tpots.append(r.tpot or 0.0)
         spent = {name: cpu - cpu0[name] for name, cpu in _cpu(pids).items()}
         cpu = request_cpu_s(spent, idle, time.monotonic() - t0, lone_timed)
-        burst_tpots = []
+        burst_tpots, burst_ttfts = [], []
         rest = bodies[lone:]
         for k in range(burst_repeats):
             await asyncio.sleep(pause_s)
@@ -100,10 +101,12 @@ async def calibrate_requests(url: str, trace: list[TraceRequest], pids: dict[str
             if not all(r.ok for r in results):
                 raise BenchError(f"burst request failed: {[r.error for r in results if not r.ok][0]}")
             burst_tpots += [r.tpot for r in results if r.tpot is not None]
+            burst_ttfts += [r.ttft for r in results if r.ttft is not None]
     ttft, tpot = statistics.median(ttfts[warmups:]), statistics.median(tpots[warmups:])
     return Calibration(ttft, tpot, statistics.median(burst_tpots) if burst_tpots else tpot, burst, cpu,
                        scale.template_tokens, [t - ttft for t in ttfts[warmups:]],
-                       [t / tpot for t in tpots[warmups:]] if tpot > 0 else [], idle)
+                       [t / tpot for t in tpots[warmups:]] if tpot > 0 else [], idle,
+                       statistics.median(burst_ttfts) if burst_ttfts else None)
 
 
 def _cpu(pids: dict[str, list[int]]) -> dict[str, float]:
@@ -132,7 +135,13 @@ def pooled(cals: list[Calibration]) -> Calibration:
         cpu_s={k: statistics.mean(c.cpu_s[k] for c in cals if k in c.cpu_s) for k in sorted(kinds)},
         template_tokens=cals[0].template_tokens, ttft_noise_s=_interleaved([c.ttft_noise_s for c in cals]),
         tpot_noise=_interleaved([c.tpot_noise for c in cals]),
-        idle_cores={k: statistics.mean(c.idle_cores.get(k, 0.0) for c in cals) for k in sorted(kinds)})
+        idle_cores={k: statistics.mean(c.idle_cores.get(k, 0.0) for c in cals) for k in sorted(kinds)},
+        burst_ttft_s=_median_known([c.burst_ttft_s for c in cals]))
+
+
+def _median_known(xs: list[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return statistics.median(known) if known else None
 
 
 def _interleaved(lists: list[list[float]]) -> list[float]:
