@@ -30,7 +30,7 @@ import httpx
 import numpy as np
 
 from triptych.http_ready import answers_ok
-from triptych.local import free_port
+from triptych.listen_socket import reserve
 
 TIMEOUT_S = 120.0
 
@@ -42,12 +42,15 @@ def v_instances(model: Path, n: int, threads: int) -> Iterator[list[str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRIPTYCH_THREADS": "1"}
     try:
         for i in range(n):
-            port = free_port()
-            cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", "V", "--model", str(model),
-                   "--port", str(port), "--instance-id", f"V-bench-{i}", "--decode-threads", str(threads),
-                   "--insecure-no-auth"]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          start_new_session=True))
+            # Bound here and inherited (listen_socket.py): a probed port number could be taken
+            # while the instance loads, and it then exited with 3 (a CI failure, 2026-12-03).
+            with reserve("127.0.0.1") as sock:
+                port = sock.getsockname()[1]
+                cmd = [sys.executable, "-m", "triptych.cli", "worker", "--role", "V", "--model", str(model),
+                       "--port", str(port), "--fd", str(sock.fileno()), "--instance-id", f"V-bench-{i}",
+                       "--decode-threads", str(threads), "--insecure-no-auth"]
+                procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                              start_new_session=True, pass_fds=(sock.fileno(),)))
             urls.append(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + TIMEOUT_S
         for url, proc in zip(urls, procs, strict=True):
