@@ -20,7 +20,7 @@ loads while the old role's work goes on (the preload), joins the parts held
 (`Engine.join_parts`), and the switch replies; the old role's decodes move out as above,
 its prefills finish here, and then the language model and its KV cache are let go
 (`drop_language`: a moment in which the instance says `switching` and takes no new stage
-run, so the transfer agent that registered the KV cache can be replaced). `last_switch`
+run, so the transfer agent that registered the KV cache can let it go). `last_switch`
 records when (`parts_freed_s`).
 """
 
@@ -33,7 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from triptych.topology import InstanceType, Stage
-from triptych.worker.engine.role_change import drops_caches, same_parts
+from triptych.worker.engine.role_change import same_parts
 from triptych.worker.waits import wait_for
 
 if TYPE_CHECKING:
@@ -167,11 +167,12 @@ async def _land(inst: InstanceRuntime, engine: Engine, role: InstanceType) -> No
 async def drop_language(inst: InstanceRuntime, engine: Engine, role: InstanceType, started: float,
                         record: dict[str, Any]) -> None:
     """Once the old role's prefills and decodes have left (bounded by drain_timeout_s;
-    what is left then is aborted), free the language model and its KV cache: a new
-    transfer agent is built (in a thread) to replace the one that registered the KV cache,
-    the instance says `switching` and takes no new stage run (the router sends them
-    elsewhere) while the runs under way end, then `set_role` drops the parts and the new
-    agent takes over (the old one's leases, if any, live on: `InstanceRuntime._retire`)."""
+    what is left then is aborted), free the language model and its KV cache: with leases
+    still on that cache a new transfer agent is built (in a thread) to replace the one that
+    registered it (`InstanceRuntime._needs_new_agent`; else that one deregisters it), the
+    instance says `switching` and takes no new stage run (the router sends them elsewhere)
+    while the runs under way end, then `set_role` drops the parts and the new agent takes
+    over (the old one's leases live on: `InstanceRuntime._retire`)."""
     s = inst.settings
     agent: TransferEngine | None = None
 
@@ -183,7 +184,7 @@ async def drop_language(inst: InstanceRuntime, engine: Engine, role: InstanceTyp
             for request_id in language_work(engine):
                 log.warning("switch: aborting request %s that did not leave in time", request_id)
                 inst.abort(request_id)
-        if current() and drops_caches(engine, role):
+        if current() and inst._needs_new_agent(role):
             agent = await asyncio.to_thread(inst._new_agent, role)
         if not current():
             return

@@ -1,8 +1,9 @@
 """An instance's in-place switch builds what the new role needs while the old role's work
-still moves out: the weights it adds and, when the change drops a cache, the transfer
-agent that replaces the old one (role_change.drops_caches); an instance built without a
-vision tower has already imported what loading one imports. A failed switch leaves no
-agent behind."""
+still moves out: the weights it adds and, when the change drops a cache that hand-overs
+may still read, the transfer agent that replaces the old one (role_change.drops_caches);
+with nothing left to read there, the agent it has lets that region go. An instance built
+without a vision tower has already imported what loading one imports. A failed switch
+leaves no agent behind."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def _runtime(model_dir: Path, agents: list[tuple[TransferEngine, str | None]], m
     return inst
 
 
-async def test_a_switch_that_drops_a_cache_builds_its_agent_before_the_role_changes(
+async def test_an_idle_switch_that_drops_a_cache_keeps_its_agent_and_lets_the_region_go(
         qwen2_vl_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     agents: list[tuple[TransferEngine, str | None]] = []
     warmed: list[str] = []
@@ -63,11 +64,14 @@ async def test_a_switch_that_drops_a_cache_builds_its_agent_before_the_role_chan
     try:
         await inst.switch("D")
         assert warmed == ["qwen2-vl"]  # built without a vision tower: its imports are warm
-        await inst.switch("E")  # drops the KV cache: a new agent, made while the engine was still D
-        assert [role for _, role in agents] == [None, "D"]
-        assert inst.transfer is agents[1][0] and inst.engine.role is InstanceType.E
-        await inst.switch("D")  # E -> D keeps the MM cache: no new agent
-        assert len(agents) == 2 and inst.transfer is agents[1][0]
+        agent = inst.transfer
+        assert agent is not None and sorted(agent._regions) == ["kv", "mm"]
+        await inst.switch("E")  # drops the KV cache, which no hand-over reads: no new agent
+        assert len(agents) == 1 and inst.transfer is agent and inst.engine.role is InstanceType.E
+        assert sorted(agent._regions) == ["mm"] and inst.engine.kv is None
+        await inst.switch("D")  # E -> D: a new KV cache, registered with the same agent
+        assert len(agents) == 1 and inst.transfer is agent
+        assert agent._regions["kv"].tensor is inst.engine.kv.tensor
     finally:
         inst.teardown()
     assert warmed == ["qwen2-vl"]
@@ -96,6 +100,7 @@ async def test_a_switch_that_fails_closes_the_agent_it_built(qwen2_vl_dir: Path,
         else:  # while the preload may still run: its agent goes when it ends
             monkeypatch.setattr(inst, "_migrate", fail_async)
         monkeypatch.setattr(TransferEngine, "close", lambda self: closed.append(self))
+        monkeypatch.setattr(inst, "_needs_new_agent", lambda role: True)  # the preload builds one
         with pytest.raises(RuntimeError, match=f"{failing} failed"):
             await inst.switch("E")
         assert await wait_for(lambda: bool(closed), 30.0)

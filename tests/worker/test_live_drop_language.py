@@ -114,10 +114,9 @@ async def test_a_switch_to_e_answers_while_its_decode_still_runs_then_frees_the_
         stream = asyncio.create_task(_stream(engine, req, outs, release))
         assert await wait_for(lambda: len(req.output_token_ids) >= 3, 30)
         report = await inst.switch("E")
-        # Answered with the vision tower in and the decode still held: nothing freed yet, and
-        # the agent that replaces the KV cache's is built only once that goes.
+        # Answered with the vision tower in and the decode still held: nothing freed yet.
         assert report["migrating"] == 1 and report["migrate_s"] == 0.0 and report["preload_s"] > 0
-        assert agents == [] and inst.transfer is old_agent
+        assert agents == [] and inst.transfer is old_agent and "kv" in old_agent._regions
         assert inst.role == "E" and inst.engine is engine and engine.role == InstanceType.E
         assert engine.model.vision is not None and engine.model.language is not None
         assert inst.moving_out is not None and not inst.moving_out.done()
@@ -129,7 +128,10 @@ async def test_a_switch_to_e_answers_while_its_decode_still_runs_then_frees_the_
         await asyncio.wait_for(inst.moving_out, 30)
         await stream
         assert engine.model.language is None and engine.kv is None and engine.mm is not None
-        assert inst.transfer is agents[0] and len(agents) == 1 and inst.status == "ok"
+        # Its hand-over was pulled before the language model went: no lease is left on the
+        # KV cache, so the agent lets that region go and stays (no new one is built).
+        assert agents == [] and inst.transfer is old_agent and sorted(old_agent._regions) == ["mm"]
+        assert inst.status == "ok"
         last = inst.last_switch
         assert last["migrated_ids"] == ["long"] and last["parts_freed_s"] >= last["handover_s"] > report["total_s"]
         assert engine.parked_ids(Stage.ENCODE) == ["img"]
@@ -218,5 +220,31 @@ async def test_p_to_e_lets_a_prefill_in_flight_finish_exactly_then_frees_the_lan
         handoff = next(o.handoff for o in outs if o.handoff is not None)
         assert handoff.stage == Stage.PREFILL and handoff.first_token == whole.output_token_ids[0]
         assert engine.model.language is None and engine.kv is None and "parts_freed_s" in inst.last_switch
+    finally:
+        inst.teardown()
+
+
+async def test_a_drained_switch_with_a_decode_to_move_builds_the_agent_that_takes_over(qwen2_vl_dir: Path) -> None:
+    """Without the live path, a switch to E that finds a decode running builds a new agent
+    in its preload (the engine still PD): the decode's hand-over is read from the KV cache
+    under lease, and the old agent retires with it."""
+    proc = processor(qwen2_vl_dir)
+    inst = await _decoding_instance(qwen2_vl_dir, precopy_timeout_s=0, live_handover=False, live_switch=False)
+    agents: list[tuple[object, str]] = []
+    new_agent = inst._new_agent
+    inst._new_agent = lambda role: agents.append((new_agent(role), inst.engine.role.value)) or agents[-1][0]  # type: ignore[method-assign]
+    try:
+        engine, old_agent = inst.engine, inst.transfer
+        assert engine is not None and old_agent is not None
+        req, outs, release = _text_request(proc, "long", 120), [], asyncio.Event()
+        release.set()  # its next instance pulls at once
+        stream = asyncio.create_task(_stream(engine, req, outs, release))
+        assert await wait_for(lambda: len(req.output_token_ids) >= 3, 30)
+        report = await inst.switch("E")
+        await stream
+        assert report["migrated"] == 1 and [role for _, role in agents] == ["PD"]
+        assert inst.transfer is agents[0][0] and sorted(inst.transfer._regions) == ["mm"]
+        assert engine.kv is None and inst.role == "E"
+        assert await wait_for(lambda: inst.leases_outstanding() == 0 and not inst._retired, 10)
     finally:
         inst.teardown()

@@ -51,9 +51,8 @@ def keeps_handovers(engine: Engine, role: InstanceType) -> bool:
 
 def drops_caches(engine: Engine, role: InstanceType) -> bool:
     """Whether a change to `role` frees a cache (as `change_parts` decides): the transfer
-    agent that registered it goes, and the instance needs a new one (built while the old
-    role's work still moves out: creating a NIXL agent took 50 ms of CPU here, 200 ms at a
-    quarter of a core)."""
+    agent that registered it lets it go, or, with hand-overs still to be read from it, a
+    new agent takes over (`InstanceRuntime._needs_new_agent`)."""
     keep_mm = needs_mm(role, engine.config.keep_mm_cache) or role.needs_language
     return (engine.kv is not None and not role.needs_language) or (engine.mm is not None and not keep_mm)
 

@@ -97,6 +97,13 @@ class TransferEngine:
         self._regions[region] = reg
         self._metadata_b64 = None  # metadata now describes more memory
 
+    def deregister(self, region: str) -> None:
+        """Stop serving `region` (its cache was dropped with no lease left on it) and let go
+        of its tensor; the agent and its other regions stay. Peers reload the metadata,
+        which no longer describes that memory, with the next handle they get."""
+        self._backend.deregister(self._regions.pop(self._region(region).name))
+        self._metadata_b64 = None
+
     def metadata(self) -> bytes:
         return self._backend.metadata()
 

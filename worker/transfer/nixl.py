@@ -79,13 +79,17 @@ class NixlBackend:
         self._plugin = plugin
         self._lock = threading.Lock()
         self._remotes: dict[str, bytes] = {}  # agent name -> metadata it was loaded from
-        self._registrations: list[Any] = []
+        self._registrations: dict[str, Any] = {}  # region name -> its NIXL registration
         self._leaked: list[Any] = []  # xfer handles NIXL could not cancel yet
 
     def register(self, region: Region) -> None:
         desc = (region.base_addr, region.nbytes, region.device_id, "")
         with self._lock:
-            self._registrations.append(self._agent.register_memory([desc], region.mem_type, [self._plugin]))
+            self._registrations[region.name] = self._agent.register_memory([desc], region.mem_type, [self._plugin])
+
+    def deregister(self, region: Region) -> None:
+        with self._lock:
+            self._agent.deregister_memory(self._registrations.pop(region.name), [self._plugin])
 
     def metadata(self) -> bytes:
         with self._lock:
@@ -248,6 +252,6 @@ class NixlBackend:
             for peer in list(self._remotes):
                 self._remove_quietly(peer)
             self._remotes.clear()
-            for reg in self._registrations:
+            for reg in self._registrations.values():
                 self._agent.deregister_memory(reg, [self._plugin])
             self._registrations.clear()

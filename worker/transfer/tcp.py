@@ -127,6 +127,10 @@ class TcpBackend:
         with self._lock:
             self._ranges.append((region.base_addr, region.nbytes))
 
+    def deregister(self, region: Region) -> None:
+        with self._lock:
+            self._ranges.remove((region.base_addr, region.nbytes))
+
     def metadata(self) -> bytes:
         return json.dumps({"agent": self._name, "host": self._host, "port": self._port}).encode()
 
