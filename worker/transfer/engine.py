@@ -101,7 +101,8 @@ class TransferEngine:
         """Stop serving `region` (its cache was dropped with no lease left on it) and let go
         of its tensor; the agent and its other regions stay. Peers reload the metadata,
         which no longer describes that memory, with the next handle they get."""
-        self._backend.deregister(self._regions.pop(self._region(region).name))
+        self._backend.deregister(self._region(region))
+        del self._regions[region]
         self._metadata_b64 = None
 
     def metadata(self) -> bytes:
