@@ -267,14 +267,22 @@ def _line(event: BaseModel) -> bytes:
     return encode_stage_event(event)
 
 
+def _follows(last: TokensEvent, event: TokensEvent) -> bool:
+    if last.start is None or event.start is None:
+        return last.start is None and event.start is None
+    return last.start + len(last.token_ids) == event.start
+
+
 def merge_tokens(events: list[BaseModel]) -> list[BaseModel]:
     """Consecutive `tokens` events of one choice as one: a stream that fell behind the
-    engine sends everything it owes in one event (one line to write, parse and render)."""
+    engine sends everything it owes in one event (one line to write, parse and render).
+    Events with output indices (`start`) merge only where the second begins where the first
+    ends: a takeover's tokens fed in between (token_feed.py) are not streamed."""
     merged: list[BaseModel] = []
     for event in events:
         last = merged[-1] if merged else None
         if isinstance(event, TokensEvent) and isinstance(last, TokensEvent) and last.index == event.index \
-                and (last.logprobs is None) == (event.logprobs is None):
+                and (last.logprobs is None) == (event.logprobs is None) and _follows(last, event):
             merged[-1] = TokensEvent(token_ids=[*last.token_ids, *event.token_ids], index=event.index,
                                      logprobs=None if event.logprobs is None else [*(last.logprobs or []),
                                                                                    *event.logprobs],
@@ -316,7 +324,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
         takeover.mark(inst, sreq.request_id, "admitted_at")
     inst.inflight += 1
     try:
-        if req.feed is not None:  # a live takeover, its KV pulled: the router may cut over now
+        if req.feed is not None:  # a live takeover, its KV pulled: the router may lead it now
             yield _line(TokensEvent(token_ids=[], start=streamed))
         fast = direct if write is not None and req.feed is None else None
         async for batch in engine.generate_batches(req, timeout_s=sreq.timeout_s, direct=fast):

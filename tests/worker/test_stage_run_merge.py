@@ -20,3 +20,13 @@ def test_logprobs_merge_with_their_tokens() -> None:
     lps = [TokenLogprob(token=t, logprob=-1.0 * t) for t in (1, 2)]
     merged = merge_tokens([TokensEvent(token_ids=[1], logprobs=lps[:1]), TokensEvent(token_ids=[2], logprobs=lps[1:])])
     assert len(merged) == 1 and merged[0].token_ids == [1, 2] and merged[0].logprobs == lps
+
+
+def test_indexed_tokens_merge_only_where_they_follow_on() -> None:
+    """A takeover's stream (tokens with `start`): tokens fed to it between two of its own
+    samples are not streamed, so those two events keep their own indices; a merged event
+    would put the second sample at the wrong index (the router checks them by index)."""
+    events = [TokensEvent(token_ids=[5], start=20), TokensEvent(token_ids=[6, 7], start=21),
+              TokensEvent(token_ids=[9], start=30), TokensEvent(token_ids=[4])]
+    merged = merge_tokens(events)
+    assert [(e.token_ids, e.start) for e in merged] == [([5, 6, 7], 20), ([9], 30), ([4], None)]
