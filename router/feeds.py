@@ -1,10 +1,10 @@
 """Feeds to live takeovers, one call per instance for the feeds due together.
 
 A role switch or a drain moves every decode off its instance at the same step boundary,
-so their leads (router/overlap.py) come due on the same steps. Sent one call
+so their cut-overs (router/overlap.py) come due on the same source step. Sent one call
 each, they queue up at the target — an instance on a capped share of a CPU (`serve
 --instance-cpus`) handles each call between its engine's steps, and eight cut-overs
-(cut-overs, then) measured 25-115 ms from send to answer there, most of it waiting behind the calls ahead.
+measured 25-115 ms from send to answer there, most of it waiting behind the calls ahead.
 `FeedBatcher` gathers the feeds for one instance for `FEED_BATCH_WINDOW_S` and sends them
 in one `POST /internal/feed` (`FeedBatch`), whose answer says which each took.
 """
@@ -21,7 +21,7 @@ from triptych.stage_protocol import MAX_FEEDS, FeedBatch, FeedReply, FeedRequest
 
 log = logging.getLogger("triptych.router.feeds")
 
-FEED_TIMEOUT_S = 2.0  # a target that did not take its feed in this is let go
+FEED_TIMEOUT_S = 2.0  # a target that did not take its feed in this is never cut over to
 FEED_BATCH_WINDOW_S = 0.001  # how long a first feed waits for others to the same instance
 
 
@@ -37,10 +37,6 @@ class FeedBatcher:
     async def send(self, url: str, feed: FeedRequest) -> bool:
         """Feed a takeover on the instance at `url`: whether it took the feed (False also
         when the call failed or timed out)."""
-        return await asyncio.shield(self.send_later(url, feed))  # a cancelled caller leaves the batch to the rest
-
-    def send_later(self, url: str, feed: FeedRequest) -> asyncio.Future[bool]:
-        """`send`, its answer a future nobody need wait for."""
         taken: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         batch = self._pending.setdefault(url, [])
         batch.append((feed, taken))
@@ -48,7 +44,7 @@ class FeedBatcher:
             task = asyncio.create_task(self._flush(url))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        return taken
+        return await asyncio.shield(taken)  # a cancelled caller leaves the batch to the rest
 
     async def _flush(self, url: str) -> None:
         batch: list[tuple[FeedRequest, asyncio.Future[bool]]] = []

@@ -74,7 +74,7 @@ class StageClient:
         self.client = client
         self.metrics = metrics
         self.channels = ChannelPool(client, enabled=channels)  # stage_channel.py
-        self.feeds = FeedBatcher(client)  # feeds.py: live takeovers' leads
+        self.feeds = FeedBatcher(client)  # feeds.py: live takeovers' cut-overs
         self._tasks: set[asyncio.Task[None]] = set()  # background work (aborts, drains), held until done
 
     async def run(self, inst: Instance, sreq: StageRequest, read_timeout_s: float,

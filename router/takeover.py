@@ -11,11 +11,9 @@ event once the source stops the decode. The stop-and-copy then costs one line on
 connection and a pull of the last, partial block(s) — not a new hop and all of the KV.
 
 A source that hands the decode over live (`MigratingEvent.live`: make-before-break) keeps
-decoding while the target pulls; `lead` sends the target the tokens the client got since
-the hand-over (`POST /internal/feed`, with the other feeds due at that instance:
-router/feeds.py), from which the target samples on while the router races the two streams
-(router/overlap.py). From the cut on, `resume` drops what the target streams that the
-client already has.
+decoding while the target pulls; `lead` cuts over (router/overlap.py): it sends the target
+the tokens the source streamed since the hand-over (`POST /internal/feed`, with the other
+cut-overs due at that instance: router/feeds.py), from which the target samples on.
 
 A takeover that is never handed over (the decode finished at its source, the client went
 away, or the chosen instance no longer takes decodes) is closed: its connection drops and
@@ -31,8 +29,7 @@ from collections.abc import AsyncIterator
 from triptych.router.overhead import WaitClock
 from triptych.router.registry import Instance
 from triptych.router.stage_client import StageClient, StageFailure
-from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent, StageRequest, TokensEvent
-from triptych.topology import Stage
+from triptych.stage_protocol import FeedRequest, HandOver, KVSource, StageEvent, StageRequest
 
 END = object()  # what `events` ends at (also for `unread`)
 
@@ -50,7 +47,6 @@ class Takeover:
         self._queue: asyncio.Queue[object] = asyncio.Queue()
         self._queue_front: deque[object] = deque()  # put back by `unread`
         self._feeds = stages.feeds
-        self._client: tuple[int, list[int]] = (0, [])  # `resume`: the client's tokens, from an index
         first = sreq.model_dump_json().encode() + b"\n"
         self._task = asyncio.create_task(self._run(stages, sreq, read_timeout_s, waits, first))
 
@@ -72,47 +68,15 @@ class Takeover:
                 return
             if isinstance(item, BaseException):
                 raise item
-            if isinstance(item, TokensEvent) and item.start is not None:
-                item = self._unseen(item)
-                if item is None:
-                    continue
             yield item  # type: ignore[misc]
 
-    def resume(self, start: int, token_ids: list[int]) -> None:
-        """The cut-over (router/overlap.py): the client has `token_ids` from output index
-        `start` on; `events` drops the target's tokens at those indices."""
-        self._client = (start, list(token_ids))
-
-    def _unseen(self, event: TokensEvent) -> TokensEvent | None:
-        """`event` less the tokens the client has (`resume`), None if nothing is left. A
-        token there that is not the client's fails the hop: the target's stream would not
-        continue the client's."""
-        base, known = self._client
-        have = min(len(event.token_ids), base + len(known) - event.start) if event.start is not None else 0
-        if have <= 0:
-            return event
-        offset = event.start - base if event.start is not None else 0
-        if offset < 0 or event.token_ids[:have] != known[offset:offset + have]:
-            raise StageFailure(self.target, f"{self.target.url} streamed tokens from index {event.start} that "
-                               "differ from what the client got", stage=Stage.DECODE)
-        if have == len(event.token_ids):
-            return None
-        return event.model_copy(update={"token_ids": event.token_ids[have:], "start": event.start + have,
-                                        "logprobs": event.logprobs[have:] if event.logprobs else None})
-
     async def lead(self, start: int, token_ids: list[int]) -> bool:
-        """Lead the target of a live hand-over (router/overlap.py): the tokens the client
-        got since the hand-over (output indices from `start`), after which the target
+        """The cut-over of a live hand-over (router/overlap.py): the tokens the source
+        streamed since the hand-over (output indices from `start`), after which the target
         samples. False when the target did not take it (it cannot lead: the source must
         finish the decode)."""
-        return await self._feeds.send(self.target.url, self._feed(start, token_ids))  # batched (feeds.py)
-
-    def lead_later(self, start: int, token_ids: list[int]) -> None:
-        """`lead`, without waiting for the answer (the cut's record at the target)."""
-        self._feeds.send_later(self.target.url, self._feed(start, token_ids))
-
-    def _feed(self, start: int, token_ids: list[int]) -> FeedRequest:
-        return FeedRequest(request_id=self.request_id, start=start, token_ids=list(token_ids), lead=True)
+        feed = FeedRequest(request_id=self.request_id, start=start, token_ids=token_ids, lead=True)
+        return await self._feeds.send(self.target.url, feed)  # with the other cut-overs there (feeds.py)
 
     def close(self) -> None:
         """Drop the hop (unused, or its reader gone): the instance sees the connection end."""

@@ -321,7 +321,7 @@ class TokensEvent(BaseModel):
     index: int = 0  # the choice (n > 1)
     # The output index of token_ids[0]: sent by a live takeover (a make-before-break
     # migration), whose first event is an empty one (the decode is in its engine) and whose
-    # tokens the router races by index against the source's (router/overlap.py).
+    # tokens the router takes by index from the cut-over on (router/overlap.py).
     start: int | None = Field(default=None, ge=0)
 
 
@@ -339,10 +339,9 @@ class MigratingEvent(BaseModel):
     kv: KVSource
     index: int = 0  # the choice (n > 1)
     # Make-before-break: the instance goes on decoding the stream (its tokens keep coming
-    # here) until the router closes it at the cut-over; once the decode's next instance is
-    # ready it gets the tokens relayed since (FeedRequest with `lead`) and samples on, the
-    # router racing the two streams (router/overlap.py). A router with no takeover for the
-    # decode closes it at once.
+    # here) until the router closes it, right after a token it relayed once the decode's
+    # next instance is ready; that instance gets the tokens relayed since (FeedRequest with
+    # `lead`) and samples on. A router with no takeover for the decode closes it at once.
     live: bool = False
 
 
@@ -350,8 +349,8 @@ class FeedRequest(BaseModel):
     """One feed of `POST /internal/feed` (`FeedBatch`): output tokens a migrated decode's
     source sampled after its live hand-over (`MigratingEvent.live`), for the decode's takeover on this instance to
     follow (worker/engine/token_feed.py). Keyed by output index: repeats are no-ops.
-    `lead`: the decode samples once it holds start + len(token_ids) tokens (the router
-    races it against the source from then on; the last lead is the cut's index)."""
+    `lead`: the router cut over (the source is closed): the decode samples once it holds
+    start + len(token_ids) tokens."""
 
     request_id: str
     start: int = Field(ge=0)  # the output index of token_ids[0]
@@ -370,16 +369,16 @@ MAX_FEEDS = 1024  # per `POST /internal/feed`
 
 class FeedBatch(BaseModel):
     """`POST /internal/feed`'s body: the feeds the router sends one instance at once
-    (router/feeds.py). The leads of a switch come together — every decode moved off one
-    instance becomes ready at its target together — and an instance handles one call for
-    all of them where separate calls queue up behind its engine's steps."""
+    (router/feeds.py). The cut-overs of a switch come together — every decode moved off
+    one instance reaches the cut on the same source step — and an instance handles one
+    call for all of them where separate calls queue up behind its engine's steps."""
 
     feeds: list[FeedRequest] = Field(min_length=1, max_length=MAX_FEEDS)
 
 
 class FeedReply(BaseModel):
     """`POST /internal/feed`'s answer: for each feed in order, whether a live takeover of
-    that id runs here and took it (one that did not is let go: the source finishes the decode)."""
+    that id runs here and took it (one that did not can never be cut over to)."""
 
     taken: list[bool]
 
@@ -387,7 +386,7 @@ class FeedReply(BaseModel):
 class HandOver(KVSource):
     """A takeover's second line (router/takeover.py): the decode's KV as its source handed
     it over; `live`: the source goes on decoding (make-before-break), and the takeover
-    samples nothing until the router leads it (`FeedRequest.lead`)."""
+    samples nothing until the router cuts over (`FeedRequest.lead`)."""
 
     live: bool = False
 

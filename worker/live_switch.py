@@ -9,7 +9,7 @@ decode is taken). The switch replies then. The old role's decodes keep decoding 
 their next instance pulls their full KV blocks; once every pre-copy is confirmed or
 `precopy_timeout_s` passed they move out at the next step boundary (`move_out`): parked and
 handed over, or handed over live and decoding on here until the router cuts over to their
-next instance (racing the two) (make-before-break, worker/engine/token_feed.py), and `/admin/stats` `last_switch` records `precopy_s`, `handover_s` and
+next instance (make-before-break, worker/engine/token_feed.py), and `/admin/stats` `last_switch` records `precopy_s`, `handover_s` and
 `migrated_ids` when that is done (with `released_tokens`, for decodes handed over live:
 the tokens each had here when its stream let go). A second switch of the same instance waits for this one's
 decodes to have moved out (`await_moved_out`) and reports that wait as `waited_s`.

@@ -13,17 +13,15 @@ al., "Live Migration of Virtual Machines", NSDI '05 §3: pre-copy, then stop-and
 
 A source that hands the decode over live (make-before-break, `MigratingEvent.live`, the
 hand-over's `live`) goes on decoding meanwhile; the decode here follows (samples nothing)
-until the router leads it with the tokens the client got since (`POST /internal/feed`,
-`feed`, one call for the feeds due here together; worker/engine/token_feed.py), then
-samples while the router races it against the source, leads it again if it falls behind,
-and cuts over once it has caught up (router/overlap.py).
+until the router cuts over with the tokens the source streamed since (`POST
+/internal/feed`, `feed`, one call for the cut-overs due here together; worker/engine/token_feed.py).
 
 Nothing is held between the two: pre-copied blocks sit unreferenced in the prefix cache
 (evictable), so a hand-over that never comes leaks nothing.
 
 Each takeover's moments (wall clock: opened, pre-copied, handed over, admitted to the engine
-with its KV pulled, led — a live one's last lead (the cut), with the output index the stream
-became its own at and the feeds its call brought —, first token out) are kept for the last `TAKEOVER_RECORDS` in
+with its KV pulled, led — a live one's cut-over, with the output index it samples from and
+the feeds its call brought —, first token out) are kept for the last `TAKEOVER_RECORDS` in
 `/admin/stats` `recent_takeovers`; `bench switch` lines them up with the source's park and
 the client's tokens (where a hop's time goes).
 """
@@ -93,7 +91,7 @@ async def _receive(inst: InstanceRuntime, sreq: StageRequest, lines: AsyncIterat
 
 def feed(inst: InstanceRuntime, body: FeedRequest, batch: int = 1) -> bool:
     """Tokens the source of a live takeover here streamed after its hand-over (with `lead`,
-    a lead: it samples from there): the decode takes them at its next step. False when no live takeover of
+    the cut-over): the decode takes them at its next step. False when no live takeover of
     that id runs here (it ended, or was no live one). `batch`: the feeds in the call that
     brought it (router/feeds.py), kept with a lead."""
     token_feed = inst.feeds.get(body.request_id)
@@ -104,7 +102,7 @@ def feed(inst: InstanceRuntime, body: FeedRequest, batch: int = 1) -> bool:
     if moments is not None:
         moments["fed_tokens"] += len(body.token_ids)
         moments["feeds"] += 1  # calls it took (the lead is one)
-        if body.lead:  # the last one is the cut: the stream's tokens from this index on are ours
+        if body.lead:  # the cut-over: the stream's tokens from this index on are ours
             moments["led_at"], moments["lead_index"] = time.time(), body.start + len(body.token_ids)
             moments["lead_batch"] = batch
     if inst.engine is not None:

@@ -1,4 +1,4 @@
-"""router/feeds.py: the feeds due at one instance go in one `POST /internal/feed`."""
+"""router/feeds.py: the cut-overs due at one instance go in one `POST /internal/feed`."""
 
 from __future__ import annotations
 
@@ -104,11 +104,3 @@ def test_the_feed_body_is_the_wire_contract():
     assert body == {"feeds": [{"request_id": "r1", "start": 5, "token_ids": [7, 8], "lead": True}]}
     with pytest.raises(ValueError):
         FeedBatch(feeds=[])
-
-
-async def test_a_feed_sent_for_later_goes_with_the_others_due_and_its_answer_needs_no_waiter():
-    worker = Worker(runs={"r1", "r2"})
-    feeds = _batcher(worker)
-    later = feeds.send_later(A, _lead("r2"))
-    assert await feeds.send(A, _lead("r1")) and worker.calls == [(A, ["r2", "r1"])]
-    assert later.done() and later.result()

@@ -184,7 +184,7 @@ class EngineDriver:
         sink.delivered = sink.delivered or bool(out.new_token_ids)
         if out.handoff or out.precopy:
             # A decode on its way to another instance streams every token from here on: the
-            # router races it against its target (make-before-break), so none may wait here.
+            # router cuts over after a token it has (make-before-break), so none may wait here.
             sink.interval = 1
         return due
 

@@ -231,7 +231,7 @@ class Request:
     # Make-before-break migration (token_feed.py): `moves_live`, set by a stream that can
     # merge two instances' tokens, lets a switch hand the decode over while it goes on
     # here (`handed_over_live` once it was); `feed`, on the decode's next instance, what
-    # the router's leads bring (the tokens the client got from the source meanwhile).
+    # the router's cut-over brings (the tokens the source streamed meanwhile).
     moves_live: bool = field(default=False, init=False)
     handed_over_live: bool = field(default=False, init=False)
     feed: TokenFeed | None = field(default=None, init=False)

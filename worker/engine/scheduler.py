@@ -184,7 +184,7 @@ class Scheduler:
             if req.prefill_done and req in self.running:
                 end = req.num_tokens
                 # A migrated decode following its source (token_feed.py) samples nothing
-                # until the router leads it: its last token waits (tokens fed before, if any, run).
+                # until the cut-over: its last token waits (tokens fed before, if any, run).
                 if req.feed is not None and req.feed.following(len(req.output_token_ids)):
                     end -= 1
                     if end <= req.num_computed_tokens:

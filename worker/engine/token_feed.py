@@ -3,15 +3,13 @@ make-before-break migration (router/overlap.py).
 
 A decode moving off an instance (a role switch or a drain) is handed over while it keeps
 decoding there; the router streams the source's tokens to the client meanwhile, and this
-instance pulls the KV as of the hand-over and admits the decode. Until the router leads
-it, the decode here *follows*: it samples nothing (the scheduler leaves its last token
-uncomputed). A lead (`POST /internal/feed` with `lead`) brings the tokens the client got
-since the hand-over and the decode's length from then on: the engine appends them at its
-next step boundary without streaming them again (`OutputProcessor.absorb_feeds`), computes
-their KV in one chunk with the next sample, and samples from exactly there while the
-router races this stream against the source's; a later lead (this instance fell behind,
-or the router cut over) brings what the source streamed since, and the decode skips
-ahead. Tokens are keyed by output index, so a repeated feed changes nothing. Only decodes
+instance pulls the KV as of the hand-over and admits the decode. Until the router cuts
+over, the decode here *follows*: it samples nothing (the scheduler leaves its last token
+uncomputed). The cut-over (`POST /internal/feed` with `lead`) brings the tokens the source
+streamed since the hand-over and the decode's length from then on: the engine appends them
+at its next step boundary without streaming them again (`OutputProcessor.absorb_feeds`),
+computes their KV in one chunk with the next sample, and the stream goes on from exactly
+there. Tokens are keyed by output index, so a repeated feed changes nothing. Only decodes
 whose every token is a function of its index (greedy, or seeded: `SamplingParams` keys
 the random stream by output index) move this way, so both instances hold the same tokens.
 """
