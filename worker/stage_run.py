@@ -324,7 +324,7 @@ async def stream(inst: InstanceRuntime, sreq: StageRequest, req: Request, reserv
         takeover.mark(inst, sreq.request_id, "admitted_at")
     inst.inflight += 1
     try:
-        if req.feed is not None:  # a live takeover, its KV pulled: the router may lead it now
+        if req.feed is not None:  # a live takeover, its KV pulled: the router may cut over now
             yield _line(TokensEvent(token_ids=[], start=streamed))
         fast = direct if write is not None and req.feed is None else None
         async for batch in engine.generate_batches(req, timeout_s=sreq.timeout_s, direct=fast):
