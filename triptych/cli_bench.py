@@ -40,8 +40,8 @@ IGNORE_EOS_HELP = "tokens per request (ignore_eos)"
 def add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = p.add_subparsers(dest="bench_command", required=True)
-    for add in (_add_engine, _add_throughput, _add_serve, _add_neighbours, _add_idle, _add_simulate_validate,
-                _add_autoscale_shift, _add_video, _add_switch):
+    for add in (_add_engine, _add_attention, _add_throughput, _add_serve, _add_neighbours, _add_idle,
+                _add_simulate_validate, _add_autoscale_shift, _add_video, _add_switch):
         add(bsub)
 
 
@@ -89,6 +89,25 @@ def _add_engine(bsub: argparse._SubParsersAction) -> None:
     e.add_argument("--arrival-rate", type=float, default=16.0, help="long-tailed arrivals per second (Poisson)")
     add_json(e)
     e.set_defaults(func=lazy("triptych.bench.engine:cli_main"))
+
+
+def _add_attention(bsub: argparse._SubParsersAction) -> None:
+    a = bsub.add_parser("attention", help="the CPU paged decode kernel on a cold KV cache vs streaming read bandwidth")
+    a.add_argument("--contexts", type=int, nargs="+", default=[64, 128, 256, 512], help="cached tokens per sequence")
+    a.add_argument("--batch", type=int, default=32, help="decoding sequences")
+    a.add_argument("--kv-heads", type=int, default=4)
+    a.add_argument("--group", type=int, default=2, help="query heads per KV head")
+    a.add_argument("--head-dim", type=int, default=64)
+    a.add_argument("--block-size", type=int, default=16)
+    a.add_argument("--layers", type=int, default=8, help="layers swept in turn (each call reads a cold layer)")
+    a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the cache's dtype")
+    a.add_argument("--threads", type=int, default=1)
+    a.add_argument("--repeats", type=int, default=5, help="sweeps per context; the best is reported")
+    a.add_argument("--stream-mb", type=int, default=512,
+                   help="the streaming-read baseline's tensor (MiB; well past the last-level cache)")
+    add_seed(a)
+    add_json(a)
+    a.set_defaults(func=lazy("triptych.bench.attention:cli_main"))
 
 
 def _add_throughput(bsub: argparse._SubParsersAction) -> None:

@@ -37,9 +37,12 @@ static inline float dot(const float *restrict q, const void *k, int64_t n, const
 
 /* Prefetch one position's K (or V) row, all heads, in the sequence's next block: the blocks
  * of a sequence lie anywhere in the cache, and the hardware prefetcher loses the stream at
- * every block's end. */
+ * every block's end. Into L2 (locality 1, prefetcht2), not L1: an L1 prefetch holds one of
+ * the core's few L1 miss buffers until its line arrives, which throttled the demand loads -
+ * on this project's 2-core EPYC the kernel read 10.9-12.9 GB/s of a cold cache with L1
+ * prefetches and 18.3-19.9 GB/s with L2 ones (docs/benchmarks.md, 2026-12-06). */
 static inline void prefetch_row(const char *row, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 1);
 }
 
 /* One sequence: every query head against its cached keys and values, position by position
@@ -49,7 +52,7 @@ static inline void prefetch_row(const char *row, int64_t bytes) {
 static inline __attribute__((always_inline)) void decode_one(
     const float *qb, const void *cache, const int bf16, const int32_t *table, int64_t len,
     int64_t block_stride, int64_t v_offset, int64_t kv_heads, int64_t group, const int64_t head_dim,
-    int64_t block_size, int64_t max_len, float scale, float *scores, float *ob) {
+    int64_t block_size, int64_t max_len, float scale, float *scores, float *ob, int64_t next_first) {
     const int64_t heads = kv_heads * group, esize = bf16 ? 2 : 4;
     const int64_t pos_stride = kv_heads * head_dim;
     const char *bytes = (const char *)cache;
@@ -61,6 +64,8 @@ static inline __attribute__((always_inline)) void decode_one(
         const char *k = bytes + (table[block] * block_stride + offset) * esize;
         if (pos + block_size < len)
             prefetch_row(bytes + (table[block + 1] * block_stride + offset) * esize, pos_stride * esize);
+        else if (next_first >= 0)  /* the last block: the next sequence's first instead */
+            prefetch_row(bytes + (next_first + offset) * esize, pos_stride * esize);
         for (int64_t h = 0; h < heads; h++) {
             float s = dot(qb + h * head_dim, k + (h / group) * head_dim * esize, head_dim, bf16) * scale;
             scores[h * max_len + pos] = s;
@@ -85,6 +90,8 @@ static inline __attribute__((always_inline)) void decode_one(
         const char *v = bytes + (table[block] * block_stride + offset) * esize;
         if (pos + block_size < len)
             prefetch_row(bytes + (table[block + 1] * block_stride + offset) * esize, pos_stride * esize);
+        else if (next_first >= 0)  /* the last block: the next sequence's first instead */
+            prefetch_row(bytes + (next_first + offset) * esize, pos_stride * esize);
         for (int64_t h = 0; h < heads; h++) {
             const float p = scores[h * max_len + pos];
             const char *vh = v + (h / group) * head_dim * esize;
@@ -125,19 +132,24 @@ int paged_decode(const float *q, int64_t q_stride, const int64_t *rows, const vo
         float *ob = out + rows[b] * out_stride;
         const int32_t *table = tables + b * table_stride;
         const int64_t len = lens[b], g = group, bs = block_size;
+        /* Where this thread's next sequence (about `threads` on: the schedule deals them out in
+         * turn) starts its first block (elements), or -1: its rows are prefetched while this
+         * one's last block is read (a short context is mostly its first block). */
+        const int64_t ahead = threads > 1 ? threads : 1;
+        const int64_t next = b + ahead < batch ? tables[(b + ahead) * table_stride] * block_stride : -1;
         /* Specialised copies: the common head sizes, each cache type. */
         if (head_dim == 64 && !bf16)
-            decode_one(qb, cache, 0, table, len, block_stride, v_offset, kv_heads, g, 64, bs, max_len, scale, scores, ob);
+            decode_one(qb, cache, 0, table, len, block_stride, v_offset, kv_heads, g, 64, bs, max_len, scale, scores, ob, next);
         else if (head_dim == 64)
-            decode_one(qb, cache, 1, table, len, block_stride, v_offset, kv_heads, g, 64, bs, max_len, scale, scores, ob);
+            decode_one(qb, cache, 1, table, len, block_stride, v_offset, kv_heads, g, 64, bs, max_len, scale, scores, ob, next);
         else if (head_dim == 128 && !bf16)
-            decode_one(qb, cache, 0, table, len, block_stride, v_offset, kv_heads, g, 128, bs, max_len, scale, scores, ob);
+            decode_one(qb, cache, 0, table, len, block_stride, v_offset, kv_heads, g, 128, bs, max_len, scale, scores, ob, next);
         else if (head_dim == 128)
-            decode_one(qb, cache, 1, table, len, block_stride, v_offset, kv_heads, g, 128, bs, max_len, scale, scores, ob);
+            decode_one(qb, cache, 1, table, len, block_stride, v_offset, kv_heads, g, 128, bs, max_len, scale, scores, ob, next);
         else if (!bf16)
-            decode_one(qb, cache, 0, table, len, block_stride, v_offset, kv_heads, g, head_dim, bs, max_len, scale, scores, ob);
+            decode_one(qb, cache, 0, table, len, block_stride, v_offset, kv_heads, g, head_dim, bs, max_len, scale, scores, ob, next);
         else
-            decode_one(qb, cache, 1, table, len, block_stride, v_offset, kv_heads, g, head_dim, bs, max_len, scale, scores, ob);
+            decode_one(qb, cache, 1, table, len, block_stride, v_offset, kv_heads, g, head_dim, bs, max_len, scale, scores, ob, next);
     }
     return 0;
 }
