@@ -39,8 +39,9 @@ static inline float dot(const float *restrict q, const void *k, int64_t n, const
  * of a sequence lie anywhere in the cache, and the hardware prefetcher loses the stream at
  * every block's end. Into L2 (locality 1, prefetcht2), not L1: an L1 prefetch holds one of
  * the core's few L1 miss buffers until its line arrives, which throttled the demand loads -
- * on this project's 2-core EPYC the kernel read 10.9-12.9 GB/s of a cold cache with L1
- * prefetches and 18.3-19.9 GB/s with L2 ones (docs/benchmarks.md, 2026-12-06). */
+ * on this project's 2-core EPYC, one thread, the kernel read 8-11 GB/s of a cold cache with
+ * L1 prefetches and 16.5-20.7 GB/s with L2 ones (`triptych bench attention`;
+ * docs/benchmarks.md, 2026-12-06). */
 static inline void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(row + i, 0, 1);
 }
