@@ -52,6 +52,27 @@ def test_warm_stops_after_a_count_whose_gemms_are_slow(calls: list[tuple[int, in
     assert calls == [(1, 16)]
 
 
+@onednn
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_a_few_rows_over_a_large_weight_run_padded_and_give_the_same_answer(
+        rows: int, calls: list[tuple[int, int]]) -> None:
+    torch.manual_seed(rows)
+    lin = nn.Linear(512, linear_kernels.PAD_BYTES // (512 * 4))  # a weight of PAD_BYTES
+    kernel = linear_kernel(lin)
+    x = torch.randn(rows, 512)
+    out = kernel(x)
+    assert out.shape == (rows, lin.out_features)
+    assert calls == [(max(rows, linear_kernels.MIN_ROWS), 512)]
+    assert torch.allclose(out, torch.nn.functional.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1e-5)
+
+
+@onednn
+def test_a_small_weight_runs_its_rows_as_they_are(calls: list[tuple[int, int]]) -> None:
+    kernel = linear_kernel(nn.Linear(64, 64))
+    assert kernel(torch.randn(1, 64)).shape == (1, 64)
+    assert calls == [(1, 64)]
+
+
 def test_warm_has_nothing_to_build_without_onednn_kernels() -> None:
     lin = nn.Linear(4, 4)
     assert list(warm([TorchLinear(lin.weight, lin.bias)], 64)) == []

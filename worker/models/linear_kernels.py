@@ -55,14 +55,31 @@ class TorchLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+# A GEMM over a weight of at least PAD_BYTES with fewer rows than MIN_ROWS runs as MIN_ROWS
+# (zeros below, cut off after). oneDNN picks its kernel by the row count, and those it picked
+# for 1 and 2 rows streamed the weights slower than its 4-row one: the small Qwen2-VL's 33
+# linears of a decode step, in order, took 8.0 / 9.4 / 6.8 / 6.3 / 6.3 ms at 1 / 2 / 3 / 4 /
+# 5 rows (one thread, this project's AMD EPYC, 2026-12-06, docs/benchmarks.md). A decode of
+# one or two streams is bound by reading the weights, so the extra rows' arithmetic costs
+# nothing measurable there; a small weight is read from cache, and padding it only adds the
+# copy (the tiny test model's step slowed from about 1.6 to 1.8-2.1 ms).
+MIN_ROWS = 4
+PAD_BYTES = 1 << 20
+
+
 @dataclass(frozen=True)
 class OneDNNLinear:
     """oneDNN's GEMM over a copy of the weight reordered into its blocked layout."""
 
     packed: torch.Tensor  # opaque mkldnn tensor
     bias: torch.Tensor | None
+    min_rows: int = 1  # fewer rows run padded to this many (MIN_ROWS for a large weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows < self.min_rows and x.dim() == 2:
+            x = torch.cat((x, x.new_zeros(self.min_rows - rows, x.shape[1])))
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @property
@@ -108,7 +125,8 @@ def linear_kernel(*linears: nn.Linear) -> Linear:
         except RuntimeError as exc:  # a oneDNN without this dtype (bf16 on older CPUs)
             log.warning("oneDNN linear unavailable for %s weights, using F.linear: %s", weight.dtype, exc)
         else:
-            return OneDNNLinear(packed, bias)
+            large = weight.numel() * weight.element_size() >= PAD_BYTES
+            return OneDNNLinear(packed, bias, MIN_ROWS if large else 1)
     if len(linears) == 1:
         return TorchLinear(weight, bias)
     row = 0
