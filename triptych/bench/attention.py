@@ -24,15 +24,14 @@ from triptych.worker.attention import cpu_decode
 from triptych.worker.engine.zeroed import zeroed
 
 
-def stream_read_gbs(nbytes: int, threads: int, repeats: int = 3) -> float:
-    """GB/s of a sum over an fp32 tensor of `nbytes` on `threads` torch threads (best of `repeats`)."""
+def stream_read_gbs(nbytes: int, repeats: int = 3) -> float:
+    """GB/s of a sum over an fp32 tensor of `nbytes` (best of `repeats`)."""
     x = torch.ones(nbytes // 4)
     best = float("inf")
-    with _threads(threads):
-        for _ in range(repeats):
-            start = time.perf_counter()
-            x.sum()
-            best = min(best, time.perf_counter() - start)
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
     return nbytes / best / 1e9
 
 
@@ -51,19 +50,18 @@ def kernel_case(context: int, args: argparse.Namespace) -> dict[str, Any]:
     out = torch.empty_like(q)
     decode = cpu_decode.PagedDecode(list(range(args.batch)), tables, lens)
     best = float("inf")
-    with _threads(args.threads):
-        decode(q, cache, 0, out, args.kv_heads)  # the scratch row, outside the timing
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            for layer in range(args.layers):
-                decode(q, cache, layer, out, args.kv_heads)
-            best = min(best, (time.perf_counter() - start) / args.layers)
+    decode(q, cache, 0, out, args.kv_heads)  # the scratch row, outside the timing
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        for layer in range(args.layers):
+            decode(q, cache, layer, out, args.kv_heads)
+        best = min(best, (time.perf_counter() - start) / args.layers)
     read = sum(lens) * 2 * args.kv_heads * args.head_dim * cache.element_size()
     return {"context": context, "us_per_layer": round(best * 1e6, 1), "read_gbs": round(read / best / 1e9, 2)}
 
 
 class _threads:
-    """torch's thread count for a `with` block."""
+    """torch's thread count for a `with` block, restored after it."""
 
     def __init__(self, n: int) -> None:
         self.n, self.before = n, torch.get_num_threads()
@@ -78,8 +76,9 @@ class _threads:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if cpu_decode.kernel() is None:
         raise SystemExit("the CPU decode kernel does not build here (no C compiler, or TRIPTYCH_CPU_ATTENTION=torch)")
-    stream = stream_read_gbs(args.stream_mb << 20, args.threads)
-    cases = [kernel_case(c, args) for c in args.contexts]
+    with _threads(args.threads):  # restored after: tests run this in their own process
+        stream = stream_read_gbs(args.stream_mb << 20)
+        cases = [kernel_case(c, args) for c in args.contexts]
     for case in cases:
         case["of_stream_read"] = round(case["read_gbs"] / stream, 3)
     shape = {k: getattr(args, k) for k in ("batch", "kv_heads", "group", "head_dim", "block_size", "layers",

@@ -49,7 +49,8 @@ static inline void prefetch_row(const char *row, int64_t bytes) {
 /* One sequence: every query head against its cached keys and values, position by position
  * (each position's K or V row holds all heads, contiguous). Inlined with a constant
  * head_dim for the common sizes and a constant cache type, so the inner loops unroll into
- * whole vectors. Offsets into the cache are in elements. */
+ * whole vectors. Offsets into the cache are in elements. Each block's rows prefetch the
+ * sequence's next block's; the last block's, the block at `next_first` (-1: none). */
 static inline __attribute__((always_inline)) void decode_one(
     const float *qb, const void *cache, const int bf16, const int32_t *table, int64_t len,
     int64_t block_stride, int64_t v_offset, int64_t kv_heads, int64_t group, const int64_t head_dim,
@@ -63,10 +64,8 @@ static inline __attribute__((always_inline)) void decode_one(
     for (int64_t pos = 0; pos < len; pos++) {
         const int64_t block = pos / block_size, offset = (pos % block_size) * pos_stride;
         const char *k = bytes + (table[block] * block_stride + offset) * esize;
-        if (pos + block_size < len)
-            prefetch_row(bytes + (table[block + 1] * block_stride + offset) * esize, pos_stride * esize);
-        else if (next_first >= 0)  /* the last block: the next sequence's first instead */
-            prefetch_row(bytes + (next_first + offset) * esize, pos_stride * esize);
+        const int64_t next_block = pos + block_size < len ? table[block + 1] * block_stride : next_first;
+        if (next_block >= 0) prefetch_row(bytes + (next_block + offset) * esize, pos_stride * esize);
         for (int64_t h = 0; h < heads; h++) {
             float s = dot(qb + h * head_dim, k + (h / group) * head_dim * esize, head_dim, bf16) * scale;
             scores[h * max_len + pos] = s;
@@ -89,10 +88,8 @@ static inline __attribute__((always_inline)) void decode_one(
     for (int64_t pos = 0; pos < len; pos++) {
         const int64_t block = pos / block_size, offset = v_offset + (pos % block_size) * pos_stride;
         const char *v = bytes + (table[block] * block_stride + offset) * esize;
-        if (pos + block_size < len)
-            prefetch_row(bytes + (table[block + 1] * block_stride + offset) * esize, pos_stride * esize);
-        else if (next_first >= 0)  /* the last block: the next sequence's first instead */
-            prefetch_row(bytes + (next_first + offset) * esize, pos_stride * esize);
+        const int64_t next_block = pos + block_size < len ? table[block + 1] * block_stride : next_first;
+        if (next_block >= 0) prefetch_row(bytes + (next_block + offset) * esize, pos_stride * esize);
         for (int64_t h = 0; h < heads; h++) {
             const float p = scores[h * max_len + pos];
             const char *vh = v + (h / group) * head_dim * esize;

@@ -77,10 +77,11 @@ class OneDNNLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows < self.min_rows and x.dim() == 2:
+        padded = rows < self.min_rows and x.dim() == 2
+        if padded:
             x = torch.cat((x, x.new_zeros(self.min_rows - rows, x.shape[1])))
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")[:rows]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out[:rows] if padded else out
 
     @property
     def in_features(self) -> int:
