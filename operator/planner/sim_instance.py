@@ -14,7 +14,12 @@ Simplifications, each chosen so the model stays fast and on the safe side:
 - a prompt prefills once all its images are encoded (the engine may prefill the text
   before the first image meanwhile);
 - while an instance runs decodes only, steps that would look alike are taken together up
-  to the next event anywhere (a "macro step"), all with the duration of the middle one.
+  to the next event anywhere (a "macro step"), all with the duration of the middle one;
+- a request's work besides the steps (`request_work_s`: on a CPU instance its stage run's
+  HTTP, image decode and pulls, which the worker does before the engine sees the request)
+  shares the instance's CPU equally with a step under way (processor sharing, the CFS
+  share two busy threads of one capped process get) and sets that step back by what it
+  got, owed by the next step (`take_on_beside`).
 """
 
 from __future__ import annotations
@@ -73,9 +78,12 @@ class Batch:
 
 class SimInstance:
     def __init__(self, name: str, kind: InstanceType, profile: StepProfile, *, token_budget: int,
-                 image_budget: int, tbt_slo_s: float, request_work_s: float = 0.0) -> None:
+                 image_budget: int, tbt_slo_s: float, request_work_s: float = 0.0,
+                 request_work_beside: bool = False) -> None:
         self.name, self.kind, self.profile = name, kind, profile
         self.request_work_s = request_work_s  # busy time per request taken on (its stage run's HTTP, I/O)
+        self.request_work_beside = request_work_beside  # done before the request queues (`take_on_beside`)
+        self.owed = 0.0  # step time lost to request work done beside a step, paid by the next step
         self.token_budget, self.image_budget = token_budget, image_budget
         self.tbt_slo_s = tbt_slo_s
         self.encode_queue: deque[tuple[SimRequest, int]] = deque()
@@ -133,8 +141,11 @@ class SimInstance:
         pixels = sum(r.image_pixels[i] for r, i in b.encodes) / len(b.encodes) if b.encodes else 0.0
         b.duration = p.step_s(images=len(b.encodes), pixels=pixels,
                               prefill_tokens=sum(n for _, n in b.chunks), decodes=b.decodes, context=b.context)
-        taken_on = self._take_on(b) if self.request_work_s else 0
-        if taken_on:  # a step of its own: a macro step would repeat the work in every step
+        taken_on = self._take_on(b) if self.request_work_s and not self.request_work_beside else 0
+        if self.owed:  # a step of its own too
+            b.duration += self.owed
+            self.owed = 0.0
+        elif taken_on:  # a step of its own: a macro step would repeat the work in every step
             b.duration += self.request_work_s * taken_on
         elif not b.chunks and not b.encodes:
             self._macro(b)
@@ -149,6 +160,27 @@ class SimInstance:
                 req.visited.add(me)
                 new += 1
         return new
+
+    def take_on_beside(self, req: SimRequest, busy_for: float) -> float:
+        """A request reaches this instance (`request_work_beside`): how long until it joins
+        a queue. Its request work (the stage run's HTTP, image decode, pulls) runs before
+        the engine sees it, on the same CPU share as the steps: while a step runs (for
+        `busy_for` more seconds) the two share it equally, so the work takes up to twice as
+        long and the step is set back by as much as the work got (owed by the next step)."""
+        me = id(self)
+        if not (self.request_work_beside and self.request_work_s) or me in req.visited:
+            return 0.0
+        req.visited.add(me)
+        work = self.request_work_s
+        shared = min(work, busy_for)
+        self.owed += shared
+        self.busy_time += work - shared
+        return work + shared
+
+    def settle_owed(self) -> None:
+        """No step followed the one the request work was shared with: it was only longer."""
+        self.busy_time += self.owed
+        self.owed = 0.0
 
     def _macro(self, b: Batch) -> None:
         """Decode-only steps up to the next finish; `truncate` cuts it short when work arrives."""

@@ -53,6 +53,10 @@ class SimConfig(BaseModel):
     request_work_s: dict[str, float] = Field(default_factory=dict, description="per instance type: busy time "
                                              "an instance spends on each request it takes on besides its steps "
                                              "(the stage run's HTTP, decoding, transfers)")
+    request_work_beside: bool = Field(True, description="request work is done when the request reaches "
+                                      "the instance, before it joins a queue, on the CPU share the steps run on "
+                                      "(a capped CPU instance: image decode and HTTP take CPU from the steps while "
+                                      "both run); false: charged to the first step that schedules the request")
     ttft_overhead_s: float = Field(0.0, description="fixed time each request spends outside the "
                                    "instances before its first token (HTTP hops, SSE): added to TTFT and E2E; "
                                    "negative: request work (request_work_s) that the simulator charges "
@@ -106,7 +110,8 @@ def build_instances(topology: dict[InstanceType, int], profile: StepProfile, cfg
             tokens = cfg.token_budget or profile.token_budget(limit)
             images = cfg.image_budget or profile.image_budget(limit, cfg.budget_image_pixels)
         out += [SimInstance(f"{kind.value}-{i}", kind, profile, token_budget=tokens, image_budget=images,
-                            tbt_slo_s=cfg.tbt_slo_s, request_work_s=cfg.request_work_s.get(kind.value, 0.0))
+                            tbt_slo_s=cfg.tbt_slo_s, request_work_s=cfg.request_work_s.get(kind.value, 0.0),
+                            request_work_beside=cfg.request_work_beside)
                 for i in range(n)]
     return out
 
@@ -190,16 +195,21 @@ class Simulation:
         for req in decoded:
             self._done(req, inst)
         self._kick(inst, now)
+        if not inst.busy and inst.owed:
+            inst.settle_owed()
 
     # --- a request's path -------------------------------------------------------------
     def _arrive(self, req: SimRequest, now: float) -> None:
         self.router.plan(req)
         if req.image_tokens:
             req.images_left = len(req.image_tokens)
-            for i, enc in enumerate(req.encoders):
-                enc.encode_queue.append((req, i))
             for enc in set(req.encoders):
-                self._kick(enc, now)
+                tasks = [(req, i) for i, e in enumerate(req.encoders) if e is enc]
+
+                def put(t: float, enc: SimInstance = enc, tasks: list[tuple[SimRequest, int]] = tasks) -> None:
+                    enc.encode_queue.extend(tasks)
+                    self._kick(enc, t)
+                self._enter(enc, req, now, put)
         else:
             self._to_prefill(req, now, migrate=False)
 
@@ -212,13 +222,29 @@ class Simulation:
         if req.encoders and req.encoders[0] is not target:
             req.encoders[0].inflight -= 1  # the encode hop is over (IRP helpers were never counted)
 
-        def arrive(t: float) -> None:
+        def put(t: float) -> None:
             target.prefill_queue.append(req)
             self._kick(target, t)
+
+        def arrive(t: float) -> None:
+            self._enter(target, req, t, put)
         if delay > 0:
             self._at(now + delay, arrive)
         else:
             arrive(now)
+
+    def _enter(self, inst: SimInstance, req: SimRequest, now: float, put: Callable[[float], None]) -> None:
+        """`req` reaches `inst`; `put` queues it there once its request work is done
+        (`SimInstance.take_on_beside`)."""
+        busy_for = 0.0
+        if inst.busy:
+            batch, start, _ = self._running[inst.name]
+            busy_for = start + batch.duration * batch.steps - now
+        delay = inst.take_on_beside(req, busy_for)
+        if delay > 0:
+            self._at(now + delay, put)
+        else:
+            put(now)
 
     def _first_token(self, req: SimRequest, now: float) -> None:
         if now - req.arrival + self.cfg.ttft_extra_s(req.rid) > self.cfg.ttft_slo_s:
@@ -238,9 +264,12 @@ class Simulation:
         req.prefiller.inflight -= 1
         nbytes = req.prompt_tokens * self.profile.shape.kv_bytes_per_token(self.profile.dtype_bytes)
 
-        def arrive(t: float) -> None:
+        def put(t: float) -> None:
             target.decode_waiting.append(req)
             self._kick(target, t)
+
+        def arrive(t: float) -> None:
+            self._enter(target, req, t, put)
         self._at(now + self.profile.migration_s(nbytes), arrive)
 
     def _done(self, req: SimRequest, inst: SimInstance) -> None:

@@ -77,6 +77,28 @@ def test_request_work_is_charged_once_per_instance_and_ttft_overhead_is_latency(
         update={"ttft_overhead_s": -100.0})).run([req]).ttft_p50_s == 0.0
 
 
+@pytest.mark.parametrize("beside", [True, False])
+def test_request_work_arriving_at_a_busy_instance(beside: bool) -> None:
+    # A decodes on an aggregated instance; B arrives in the middle of it. Beside (the
+    # default), B's request work shares the CPU with A's steps before B queues: it takes
+    # twice as long (2 x 0.1 s) and sets A back by 0.1 s. In a step, it is charged to the
+    # step that takes B on. Either way the instance does the same work and A ends as late.
+    a = TraceRequest(t=0, images=[], prompt_tokens=10, output_tokens=100)
+    b = TraceRequest(t=0.505, images=[], prompt_tokens=10, output_tokens=2)
+    cfg = SimConfig(ttft_slo_s=10, tbt_slo_s=1, request_work_s={"EPD": 0.1}, request_work_beside=beside)
+    sim = Simulation({T.EPD: 1}, linear_profile(), cfg)
+    sim.run([a, b])
+    ra, rb = sim.requests
+    assert ra.first_token == pytest.approx(0.1 + 0.01)  # work, then the prefill (idle: no sharing)
+    # B queues at 0.705 (beside) or 0.505; A's decode step under way ends at 0.71 or 0.51;
+    # then B's prefill with A's decode: 11 tokens, plus the 0.1 s.
+    assert rb.first_token == pytest.approx((0.71 if beside else 0.51) + 0.011 + 0.1)
+    assert ra.finish == pytest.approx(0.11 + 99 * 0.01 + 0.1 + 0.001)
+    busy = sim.instances[0].busy_time
+    assert busy == pytest.approx(2 * 0.1 + 0.01 + 98 * 0.01 + 0.011)
+    assert sim.instances[0].owed == 0.0
+
+
 def test_decode_token_overhead_is_paid_per_decoding_request() -> None:
     prof = linear_profile().model_copy(update={"decode_token_overhead_s": 0.002})
     assert prof.step_s(decodes=1) == pytest.approx(0.01 + 0.002)
