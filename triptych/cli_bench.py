@@ -216,6 +216,12 @@ def _add_simulate_validate(bsub: argparse._SubParsersAction) -> None:
     v.add_argument("--fit-request-work", action=argparse.BooleanOptionalAction, default=True,
                    help="with --fit-overheads: charge the instances' CPU per request, beyond their steps, "
                         "as busy time (else all of it is latency)")
+    v.add_argument("--request-work-beside", action=argparse.BooleanOptionalAction, default=True,
+                   help="the simulated request work runs before the request queues, sharing the instance's "
+                        "CPU with the step under way (else it is charged to the first step that takes it on)")
+    v.add_argument("--resimulate", default=None, metavar="JSON",
+                   help="compare a saved run (--out-json) with the simulator again, measuring nothing "
+                        "(with the --profile it used)")
     v.add_argument("--repeats", type=int, default=1, help="deployments measured per topology (fresh each): "
                    "the measured figures are their medians and the table shows how far apart they were")
     v.add_argument("--calibration-warmups", type=int, default=30, metavar="N",

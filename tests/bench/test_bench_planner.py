@@ -315,3 +315,42 @@ def test_the_simulated_instances_take_the_budgets_they_are_given_per_type() -> N
     assert derived["P"] != (2048, 8)
     given = build_instances(topology, profile, SimConfig(instance_budgets={"P": (2048, 8)}))
     assert {i.kind.value: (i.token_budget, i.image_budget) for i in given} == {**derived, "P": (2048, 8)}
+
+
+def test_a_saved_run_is_compared_again_without_measuring(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`--resimulate`: a saved run's measurements and calibrations against the simulator as
+    it is now; nothing is measured, the same simulator gives the same rows, and
+    `--no-request-work-beside` gives the other request-work model's."""
+    import triptych.bench.sim_validate as sv
+
+    c = Calibration(0.08, 0.006, 0.0075, 4, {"EPD": 0.2}, 20, [0.0, 0.01], [1.0, 1.1], burst_ttft_s=0.2)
+    measured = {"completed": 6, "num_requests": 6, "ttft_p50_s": 0.2, "ttft_p90_s": 0.3,
+                "tpot_p50_s": 0.01, "tpot_p90_s": 0.012}
+    monkeypatch.setattr(sv, "measure_topology", lambda *a, **k: sv.MeasuredRun(c, [measured, measured], 0.5,
+                                                                              {"EPD": (2048, 8)}))
+    profile = tmp_path / "profile.json"
+    roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100").save(profile)
+    saved = tmp_path / "sv.json"
+    common = ["bench", "simulate-validate", "--profile", str(profile), "--instance-cpus", "0.5"]
+    assert main([*common, "--topologies", "EPD", "--rates", "1", "30", "--num-requests", "6",
+                 "--out-json", str(saved), "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)["rows"]
+
+    def never(*_a: object, **_k: object) -> None:
+        raise AssertionError("--resimulate measured a deployment")
+    monkeypatch.setattr(sv, "measure_topology", never)
+    doc = json.loads(saved.read_text())
+    assert doc["workload"]["num_requests"] == 6 and "seed" in doc["workload"]
+    args = build_parser().parse_args([*common, "--resimulate", str(saved)])
+    again = sv.resimulate(doc, sv.StepProfile.load(profile), args)
+    keys = [f"{kind}_{m}" for kind in ("measured", "simulated", "error") for m in sv.METRICS]
+    assert [[r[k] for k in keys] for r in again] == [pytest.approx([r[k] for k in keys]) for r in first]
+    assert first[0]["request_work_s"]["EPD"] > 0.1
+    other = sv.resimulate(doc, sv.StepProfile.load(profile), build_parser().parse_args(
+        [*common, "--resimulate", str(saved), "--no-request-work-beside"]))
+    assert other[0]["simulated_ttft_p50_s"] == pytest.approx(first[0]["simulated_ttft_p50_s"])  # nothing queues
+    assert other[1]["simulated_ttft_p90_s"] != pytest.approx(first[1]["simulated_ttft_p90_s"])
+    assert main([*common, "--resimulate", str(saved)]) == 0
+    assert "EPD" in capsys.readouterr().out
+    assert main(["bench", "simulate-validate", "--resimulate", str(saved)]) == 2  # which profile?

@@ -57,7 +57,7 @@ from triptych.bench.workload import Workload
 from triptych.operator.planner.profile import StepProfile
 from triptych.operator.planner.simulator import SimConfig, simulate
 from triptych.operator.planner.workload import TraceRequest, WorkloadSpec, fixed, generate
-from triptych.topology import InstanceType, Stage
+from triptych.topology import InstanceType, Stage, parse_topology
 
 METRICS = ("ttft_p50_s", "ttft_p90_s", "tpot_p50_s", "tpot_p90_s")
 
@@ -283,7 +283,7 @@ def fit_for(topology: dict[InstanceType, int], profile: StepProfile, trace: list
     """The simulator fitted to one calibration (`--fit-overheads`, then `--lone-noise`),
     its instances batching under `budgets` (served_budgets) where given."""
     fit = Fitted(profile, SimConfig(ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-                                    instance_budgets=budgets or {}))
+                                    instance_budgets=budgets or {}, request_work_beside=args.request_work_beside))
     if args.fit_overheads:
         fit = fit_overheads(topology, profile, with_template(trace, cal.template_tokens)[:1], fit.cfg, cal,
                             args.fit_request_work, args.instance_cpus)
@@ -300,6 +300,13 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
     the same measurements, `calibrations` in the JSON: no closer, 17.9% against 17.6% and
     11.7% against 12.5% mean |error| over two runs.)"""
     runs = [measure_topology(spec, topology, model_dir, trace, args, k) for k in range(args.repeats)]
+    return compare(spec, topology, profile, trace, runs, args)
+
+
+def compare(spec: str, topology: dict[InstanceType, int], profile: StepProfile, trace: list[TraceRequest],
+            runs: list[MeasuredRun], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The rows of one topology: the simulator fitted to the runs' pooled calibration against
+    their measured medians at each rate."""
     cal = pooled([r.cal for r in runs])
     fit = fit_for(topology, profile, trace, cal, args, runs[0].budgets)
     progress(f"== {spec}: fitted {fit.describe()}; budgets (tokens, images) {runs[0].budgets}")
@@ -322,6 +329,29 @@ def run_topology(spec: str, topology: dict[InstanceType, int], model_dir: Path, 
             row[f"simulated_{m}"] = getattr(sim, m)
             row[f"error_{m}"] = error_pct(getattr(sim, m), row[f"measured_{m}"])
         rows.append(row)
+    return rows
+
+
+def resimulate(doc: dict[str, Any], profile: StepProfile, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The rows of a saved run (`--out-json`) compared again with the simulator as it is
+    now (and as the flags say), on the same measurements and calibrations: what a change
+    to the simulator or the fit does, without measuring again."""
+    args = argparse.Namespace(**{**vars(args), **doc["workload"], "instance_cpus": doc["instance_cpus"]})
+    trace = make_trace(args)  # the saved run's
+    by_topology: dict[str, list[dict[str, Any]]] = {}
+    for row in doc["rows"]:
+        by_topology.setdefault(row["topology"], []).append(row)
+    rows: list[dict[str, Any]] = []
+    for spec, saved in by_topology.items():
+        cals = [Calibration(**c) for c in saved[0]["calibrations"]]
+        budgets = {k: (int(v[0]), int(v[1])) for k, v in saved[0]["instance_budgets"].items()}
+        runs = [MeasuredRun(cal, [{"completed": row["completed"] // row["runs"],
+                                   "num_requests": row["num_requests"] // row["runs"],
+                                   **{m: row[f"measured_{m}_runs"][k] for m in METRICS}} for row in saved],
+                            max(row["load_avg_1m"] for row in saved), budgets)
+                for k, cal in enumerate(cals)]
+        rows += compare(spec, parse_topology(spec), profile, trace, runs,
+                        argparse.Namespace(**{**vars(args), "rates": [row["rate"] for row in saved]}))
     return rows
 
 
@@ -377,12 +407,17 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def cli_main(args: argparse.Namespace) -> int:
     from triptych.cli_args import resolve_model
-    from triptych.topology import parse_topology
 
     try:
         topologies = {s.strip(): parse_topology(s.strip()) for s in args.topologies.split(",") if s.strip()}
         if not topologies or not args.rates or any(r <= 0 for r in args.rates) or args.repeats < 1:
             raise BenchError("need --topologies, positive --rates and --repeats of at least 1")
+        if args.resimulate:
+            if not args.profile:
+                raise BenchError("--resimulate needs --profile (the profile the saved run used)")
+            rows = resimulate(json.loads(Path(args.resimulate).read_text()), StepProfile.load(args.profile), args)
+            print(format_table(rows))
+            return 0
         model_dir = resolve_model(args.model)
         if args.profile:
             profile = StepProfile.load(args.profile)
@@ -414,6 +449,7 @@ def save(args: argparse.Namespace, profile: StepProfile, rows: list[dict[str, An
     result = {"rows": rows, "complete": complete, "profile_source": profile.source,
               "instance_cpus": args.instance_cpus, "priority": args.priority, "repeats": args.repeats,
               "workload": {"num_requests": args.num_requests, "images_per_request": args.images_per_request,
+                           "seed": args.seed,
                            "image_size": list(args.image_size), "prompt_tokens": args.prompt_tokens,
                            "output_tokens": args.output_tokens}}
     if args.out_json:
