@@ -17,9 +17,10 @@ Simplifications, each chosen so the model stays fast and on the safe side:
   to the next event anywhere (a "macro step"), all with the duration of the middle one;
 - a request's work besides the steps (`request_work_s`: on a CPU instance its stage run's
   HTTP, image decode and pulls, which the worker does before the engine sees the request)
-  shares the instance's CPU equally with a step under way (processor sharing, the CFS
-  share two busy threads of one capped process get) and sets that step back by what it
-  got, owed by the next step (`take_on_beside`).
+  runs before the request queues, sharing the instance's CPU equally with the other
+  requests' work and a step under way (processor sharing, as CFS shares one capped
+  process between its busy threads), and sets that step back by what it got, owed by the
+  next step (`advance_takings`).
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class SimInstance:
         self.request_work_s = request_work_s  # busy time per request taken on (its stage run's HTTP, I/O)
         self.request_work_beside = request_work_beside  # done before the request queues (`take_on_beside`)
         self.owed = 0.0  # step time lost to request work done beside a step, paid by the next step
+        self.taking: dict[SimRequest, float] = {}  # requests doing their request work here: work left
+        self._taking_clock = 0.0
+        self.taking_event = 0  # the current completion event's token (earlier ones are stale)
         self.token_budget, self.image_budget = token_budget, image_budget
         self.tbt_slo_s = tbt_slo_s
         self.encode_queue: deque[tuple[SimRequest, int]] = deque()
@@ -161,21 +165,38 @@ class SimInstance:
                 new += 1
         return new
 
-    def take_on_beside(self, req: SimRequest, busy_for: float) -> float:
-        """A request reaches this instance (`request_work_beside`): how long until it joins
-        a queue. Its request work (the stage run's HTTP, image decode, pulls) runs before
-        the engine sees it, on the same CPU share as the steps: while a step runs (for
-        `busy_for` more seconds) the two share it equally, so the work takes up to twice as
-        long and the step is set back by as much as the work got (owed by the next step)."""
-        me = id(self)
-        if not (self.request_work_beside and self.request_work_s) or me in req.visited:
-            return 0.0
-        req.visited.add(me)
-        work = self.request_work_s
-        shared = min(work, busy_for)
-        self.owed += shared
-        self.busy_time += work - shared
-        return work + shared
+    # --- request work beside the steps (`request_work_beside`) ----------------------------
+    def takes_on_beside(self, req: SimRequest) -> bool:
+        """Whether `req`, reaching this instance, first does request work here (once per
+        instance): its stage run's HTTP, image decode and pulls, which the worker does before
+        the engine sees the request."""
+        if not (self.request_work_beside and self.request_work_s) or id(self) in req.visited:
+            return False
+        req.visited.add(id(self))
+        return True
+
+    def advance_takings(self, now: float) -> None:
+        """Bring the request work under way up to `now`. It shares the instance's CPU share
+        equally with the other requests' work and, while a step runs, with the engine
+        (processor sharing: what the CFS gives busy threads of one capped process). What it
+        takes from a step sets the engine back, owed by the next step."""
+        dt, self._taking_clock = now - self._taking_clock, now
+        if dt <= 0 or not self.taking:
+            return
+        sharers = len(self.taking) + (1 if self.busy else 0)
+        for req in self.taking:
+            self.taking[req] -= dt / sharers
+        if self.busy:
+            self.owed += dt * len(self.taking) / sharers
+        else:
+            self.busy_time += dt
+
+    def next_taken(self, now: float) -> float | None:
+        """When the request work under way first completes at today's sharing (after
+        `advance_takings(now)`), or None."""
+        if not self.taking:
+            return None
+        return now + max(0.0, min(self.taking.values())) * (len(self.taking) + (1 if self.busy else 0))
 
     def settle_owed(self) -> None:
         """No step followed the one the request work was shared with: it was only longer."""

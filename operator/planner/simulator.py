@@ -156,6 +156,7 @@ class Simulation:
         self._events: list[tuple[float, int, Callable[[float], None]]] = []
         self._seq = itertools.count()
         self._running: dict[str, tuple[Batch, float, int]] = {}
+        self._puts: dict[tuple[int, str], Callable[[float], None]] = {}  # (request, instance): queue it there
         self.requests: list[SimRequest] = []
         self.missed = 0
         self._backlog: list[int] = []
@@ -175,7 +176,7 @@ class Simulation:
         batch = inst.form_batch(now)
         if batch is None:
             return
-        inst.busy = True
+        self._set_busy(inst, True, now)
         self._schedule_end(inst, batch, now)
 
     def _schedule_end(self, inst: SimInstance, batch: Batch, start: float) -> None:
@@ -186,7 +187,7 @@ class Simulation:
     def _step_end(self, inst: SimInstance, batch: Batch, token: int, now: float) -> None:
         if self._running[inst.name][2] != token:
             return  # superseded by a truncated macro step
-        inst.busy = False
+        self._set_busy(inst, False, now)
         prefilled, encoded, decoded = inst.finish_step(batch, now)
         for req in prefilled:
             self._first_token(req, now)
@@ -235,16 +236,38 @@ class Simulation:
 
     def _enter(self, inst: SimInstance, req: SimRequest, now: float, put: Callable[[float], None]) -> None:
         """`req` reaches `inst`; `put` queues it there once its request work is done
-        (`SimInstance.take_on_beside`)."""
-        busy_for = 0.0
-        if inst.busy:
-            batch, start, _ = self._running[inst.name]
-            busy_for = start + batch.duration * batch.steps - now
-        delay = inst.take_on_beside(req, busy_for)
-        if delay > 0:
-            self._at(now + delay, put)
-        else:
+        (`SimInstance.advance_takings`)."""
+        if not inst.takes_on_beside(req):
             put(now)
+            return
+        inst.advance_takings(now)
+        inst.taking[req] = inst.request_work_s
+        self._puts[id(req), inst.name] = put
+        self._schedule_taken(inst, now)
+
+    def _schedule_taken(self, inst: SimInstance, now: float) -> None:
+        inst.taking_event += 1
+        at = inst.next_taken(now)
+        if at is not None:
+            token = inst.taking_event
+            self._at(at, lambda t: self._taken(inst, token, t))
+
+    def _taken(self, inst: SimInstance, token: int, now: float) -> None:
+        if token != inst.taking_event:
+            return  # the sharing changed since: rescheduled
+        inst.advance_takings(now)
+        for req in [r for r, left in inst.taking.items() if left <= 1e-12]:
+            del inst.taking[req]
+            self._puts.pop((id(req), inst.name))(now)
+        self._schedule_taken(inst, now)
+
+    def _set_busy(self, inst: SimInstance, busy: bool, now: float) -> None:
+        """A step starts or ends: the request work under way there shares the CPU anew."""
+        if inst.taking:
+            inst.advance_takings(now)
+        inst.busy = busy
+        if inst.taking:
+            self._schedule_taken(inst, now)
 
     def _first_token(self, req: SimRequest, now: float) -> None:
         if now - req.arrival + self.cfg.ttft_extra_s(req.rid) > self.cfg.ttft_slo_s:

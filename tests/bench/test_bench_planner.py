@@ -200,7 +200,8 @@ def test_autoscale_shift_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert runs["autoscale"]["planner"]["counts"] == {"E": 1, "P": 1, "D": 1}  # 1E1P1D: nothing may move
 
 
-def test_ttft_overhead_goes_negative_when_request_work_would_delay_the_first_token() -> None:
+@pytest.mark.parametrize("beside", [True, False])
+def test_ttft_overhead_goes_negative_when_request_work_would_delay_the_first_token(beside: bool) -> None:
     # Request work is charged up front, but a prefilling instance's share partly comes after
     # the first token (serving the KV pull) and an encoding instance's after its hand-off: a
     # lone TTFT shorter than the steps plus that work gives a negative overhead, at most
@@ -209,16 +210,20 @@ def test_ttft_overhead_goes_negative_when_request_work_would_delay_the_first_tok
     topo = parse_topology("1E1P1D")
     lone = with_template([TraceRequest(t=0, images=[(224, 224)], prompt_tokens=30, output_tokens=9)], 20)
     cpu = {"E": 0.01, "P": 0.02, "D": 0.01}
-    fit = fit_overheads(topo, profile, lone, SimConfig(), cal(0.03, 0.006, 0.0075, cpu), instance_cpus=0.5)
+    cfg = SimConfig(request_work_beside=beside)
+    fit = fit_overheads(topo, profile, lone, cfg, cal(0.03, 0.006, 0.0075, cpu), instance_cpus=0.5)
     work = fit.cfg.request_work_s
     assert -work["P"] <= fit.cfg.ttft_overhead_s < 0
     assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s == pytest.approx(0.03, rel=1e-6)
     # Faster still: more than the P's work comes off, never more than the E's and P's.
-    fit = fit_overheads(topo, profile, lone, SimConfig(), cal(0.01, 0.006, 0.0075, cpu), instance_cpus=0.5)
+    charged = simulate(topo, fit.profile, lone, fit.cfg.model_copy(update={"ttft_overhead_s": 0.0})).ttft_p50_s
+    faster = charged - work["P"] - work["E"] / 2
+    fit = fit_overheads(topo, profile, lone, cfg, cal(faster, 0.006, 0.0075, cpu), instance_cpus=0.5)
+    assert fit.cfg.request_work_s == pytest.approx(work)
     assert -(work["E"] + work["P"]) <= fit.cfg.ttft_overhead_s < -work["P"]
-    assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s == pytest.approx(0.01, rel=1e-6)
+    assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s == pytest.approx(faster, rel=1e-6)
     # Faster than the steps alone: the bound holds.
-    fit = fit_overheads(topo, profile, lone, SimConfig(), cal(1e-4, 0.006, 0.0075, cpu), instance_cpus=0.5)
+    fit = fit_overheads(topo, profile, lone, cfg, cal(1e-4, 0.006, 0.0075, cpu), instance_cpus=0.5)
     work = fit.cfg.request_work_s
     assert fit.cfg.ttft_overhead_s == pytest.approx(-(work["E"] + work["P"]))
     assert simulate(topo, fit.profile, lone, fit.cfg).ttft_p50_s > 1e-4
