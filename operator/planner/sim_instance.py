@@ -80,10 +80,10 @@ class Batch:
 class SimInstance:
     def __init__(self, name: str, kind: InstanceType, profile: StepProfile, *, token_budget: int,
                  image_budget: int, tbt_slo_s: float, request_work_s: float = 0.0,
-                 request_work_beside: bool = False) -> None:
+                 request_work_beside: bool = True) -> None:
         self.name, self.kind, self.profile = name, kind, profile
         self.request_work_s = request_work_s  # busy time per request taken on (its stage run's HTTP, I/O)
-        self.request_work_beside = request_work_beside  # done before the request queues (`take_on_beside`)
+        self.request_work_beside = request_work_beside  # done before the request queues (`advance_takings`)
         self.owed = 0.0  # step time lost to request work done beside a step, paid by the next step
         self.taking: dict[SimRequest, float] = {}  # requests doing their request work here: work left
         self._taking_clock = 0.0
@@ -146,7 +146,7 @@ class SimInstance:
         b.duration = p.step_s(images=len(b.encodes), pixels=pixels,
                               prefill_tokens=sum(n for _, n in b.chunks), decodes=b.decodes, context=b.context)
         taken_on = self._take_on(b) if self.request_work_s and not self.request_work_beside else 0
-        if self.owed:  # a step of its own too
+        if self.owed:  # paid in a step of its own (not a macro step)
             b.duration += self.owed
             self.owed = 0.0
         elif taken_on:  # a step of its own: a macro step would repeat the work in every step
@@ -192,7 +192,7 @@ class SimInstance:
             self.busy_time += dt
 
     def next_taken(self, now: float) -> float | None:
-        """When the request work under way first completes at today's sharing (after
+        """When the request work under way first completes at the present sharing (after
         `advance_takings(now)`), or None."""
         if not self.taking:
             return None
