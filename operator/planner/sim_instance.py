@@ -183,7 +183,7 @@ class SimInstance:
         dt, self._taking_clock = now - self._taking_clock, now
         if dt <= 0 or not self.taking:
             return
-        sharers = len(self.taking) + (1 if self.busy else 0)
+        sharers = self._sharers
         for req in self.taking:
             self.taking[req] -= dt / sharers
         if self.busy:
@@ -196,7 +196,12 @@ class SimInstance:
         `advance_takings(now)`), or None."""
         if not self.taking:
             return None
-        return now + max(0.0, min(self.taking.values())) * (len(self.taking) + (1 if self.busy else 0))
+        return now + max(0.0, min(self.taking.values())) * self._sharers
+
+    @property
+    def _sharers(self) -> int:
+        """Who shares the instance's CPU: each request doing its work, and a step under way."""
+        return len(self.taking) + (1 if self.busy else 0)
 
     def settle_owed(self) -> None:
         """No step followed the one the request work was shared with: it was only longer."""
