@@ -51,6 +51,19 @@ def test_the_hop_gap_runs_from_the_last_token_at_the_old_instance_to_the_first_a
     assert added_gaps(r, since=100.0) == pytest.approx(added_gaps(r))
 
 
+def test_a_switchs_added_gaps_leave_out_the_streams_admission() -> None:
+    # A stream admitted just before the switch: its first decode token came 300 ms after its
+    # prefill's (the P -> D hop of its admission, behind a burst), 10 ms gaps since; the
+    # switch was asked while that first gap was under way. Its admission is not the switch's.
+    times = [0.1, 0.4] + [0.4 + 0.01 * i for i in range(1, 20)]
+    r = _stream(times)
+    assert added_gaps(r) == pytest.approx((0.3 - r.tpot) / r.tpot)  # the whole stream: it counts
+    assert added_gaps(r, since=100.2) == pytest.approx((0.01 - r.tpot) / r.tpot)  # the switch's: it does not
+    # a pause after the admission still counts
+    paused = _stream(times[:10] + [t + 0.2 for t in times[10:]])
+    assert added_gaps(paused, since=100.2) == pytest.approx((0.21 - paused.tpot) / paused.tpot)
+
+
 def test_a_live_hand_over_hops_where_the_router_cut_over() -> None:
     # Handed over live after 10 tokens, the source streamed on; the router cut over to the
     # target at output index 14: the gap before token 14 (25 ms) is the hop, not the one
