@@ -168,7 +168,7 @@ def test_simulate_validate_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     roofline_profile(read_shape(tiny_model_path("qwen2-vl")), "H100").save(profile)
     argv = ["bench", "simulate-validate", "--topologies", "EPD", "--rates", "2", "--num-requests", "3",
             "--output-tokens", "4", "--profile", str(profile), "--instance-cpus", "1", "--json",
-            "--calibration-warmups", "2",
+            "--calibration-warmups", "2", "--calibration-requests", "5",
             "--out-json", str(tmp_path / "sv.json")]
     assert main(argv) == 0
     out = capsys.readouterr()
@@ -184,6 +184,8 @@ def test_simulate_validate_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[s
     # The instance's idle CPU, measured before the timed requests, was taken out of theirs.
     calibration, = rows[0]["calibrations"]
     assert set(calibration["idle_cores"]) == {"EPD"} and 0 <= calibration["idle_cores"]["EPD"] < 0.5
+    # Five timed lone requests (--calibration-requests), each one spread around their median.
+    assert len(calibration["ttft_noise_s"]) == 5 and len(calibration["tpot_noise"]) == 5
 
 
 @pytest.mark.slow
