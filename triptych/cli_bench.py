@@ -230,7 +230,7 @@ def _add_simulate_validate(bsub: argparse._SubParsersAction) -> None:
     v.add_argument("--calibration-requests", type=int, default=15, metavar="N",
                    help="timed lone requests of the calibration: their medians fit the served path's "
                         "costs, and a lone TTFT spreads widely here (a capped instance's period phase), "
-                        "so a median of 15 moved by up to 17%% (TTFT) and 23%% (TPOT) between three "
+                        "so a median of 15 moved by up to 18%% (TTFT) and 23%% (TPOT) between three "
                         "calibrations of one 1E1P1D deployment at 0.25 CPU")
     v.add_argument("--lone-noise", action=argparse.BooleanOptionalAction, default=True,
                    help="with --fit-overheads: give each simulated request, in turn, one lone request's "
