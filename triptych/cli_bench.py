@@ -27,6 +27,7 @@ from triptych.cli_args import (
     add_threads,
     add_topology,
     add_transfer_require,
+    count,
     cpus,
     lazy,
     rate,
@@ -227,7 +228,7 @@ def _add_simulate_validate(bsub: argparse._SubParsersAction) -> None:
     v.add_argument("--calibration-warmups", type=int, default=30, metavar="N",
                    help="untimed lone requests before the calibration's timed ones (a fresh deployment's "
                         "first requests are slower)")
-    v.add_argument("--calibration-requests", type=int, default=15, metavar="N",
+    v.add_argument("--calibration-requests", type=count, default=15, metavar="N",
                    help="timed lone requests of the calibration: their medians fit the served path's "
                         "costs, and a lone TTFT spreads widely here (a capped instance's period phase), "
                         "so a median of 15 moved by up to 18%% (TTFT) and 23%% (TPOT) between three "

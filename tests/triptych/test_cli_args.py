@@ -27,3 +27,11 @@ def test_a_bad_cpu_share_is_refused_with_the_reason(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--instance-cpus", "-1"])
     assert "argument --instance-cpus: must be a positive number of CPUs, got -1" in capsys.readouterr().err
+
+
+def test_a_calibration_without_timed_requests_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # Its medians would be of nothing: refused at parsing, not a traceback after the deployment starts.
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["bench", "simulate-validate", "--calibration-requests", "0"])
+    assert exc.value.code == 2
+    assert "argument --calibration-requests: must be at least 1, got 0" in capsys.readouterr().err

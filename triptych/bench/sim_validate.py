@@ -253,7 +253,7 @@ def measure_topology(spec: str, topology: dict[InstanceType, int], model_dir: Pa
             pids.setdefault(w.name.split("-")[1], []).append(w.popen.pid)
         budgets = served_budgets(dep)
         cal = asyncio.run(calibrate_requests(dep.router_url, trace, pids, lone_timed=args.calibration_requests,
-                                                 warmups=args.calibration_warmups))
+                                             warmups=args.calibration_warmups))
         cpu_text = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in cal.cpu_s.items()) + " ms (less idle: " + \
             ", ".join(f"{k} {v:.3f}" for k, v in cal.idle_cores.items()) + " cores)"
         progress(f"== {spec} (run {run + 1}): lone TTFT {cal.ttft_s * 1e3:.1f} ms, TPOT {cal.tpot_s * 1e3:.2f} ms, "
